@@ -1,0 +1,124 @@
+"""Builders: translate config sections into plain components (model, tokenizer, data, rewards).
+
+Components never see ``ExperimentConfig``; these functions are the only place that reads it.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tether.config.schema import DataSection, ExperimentConfig, ModelSection, ScratchModelConfig
+from tether.data.loading import load_prompts, load_sft
+from tether.data.records import PromptRecord, SFTRecord
+from tether.data.tasks import Task, get_task
+from tether.errors import ConfigError
+from tether.models.checkpoint import load_model
+from tether.models.config import ModelConfig
+from tether.models.decoder import Decoder
+from tether.models.tokenizer import build_char_tokenizer, load_tokenizer
+from tether.rewards import RewardComputer, WeightedReward, resolve_reward
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def scratch_hf_config(spec: ScratchModelConfig, tokenizer: Any) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` dict for a model built from scratch (same path as a real one)."""
+    return {
+        "model_type": spec.family, "vocab_size": len(tokenizer), "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "max_position_embeddings": spec.max_position_embeddings, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": spec.tie_word_embeddings, "hidden_act": "silu",
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def build_model_and_tokenizer(section: ModelSection, init_from: str | None, seed: int) -> tuple[Decoder, Any]:
+    dtype = DTYPES[section.dtype]
+    path = init_from or section.path
+    if path is not None:
+        model = load_model(path, dtype=dtype)
+        return model, load_tokenizer(path)
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(seed)
+    model = Decoder(ModelConfig.from_hf(scratch_hf_config(section.scratch, tokenizer), source="model.scratch"))
+    init_weights(model, seed)
+    return model.to(dtype), tokenizer
+
+
+def init_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """GPT-2 style init for a model built from scratch: N(0, std) matrices, scaled residual outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    num_layers = sum(1 for name, _ in model.named_parameters() if name.endswith("o_proj.weight"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                scale = std / (2 * max(num_layers, 1)) ** 0.5 if name.endswith(("o_proj.weight",
+                                                                              "down_proj.weight")) else std
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+            elif name.endswith("bias"):
+                param.zero_()
+
+
+@dataclass(slots=True)
+class PromptData:
+    train: list[PromptRecord]
+    eval: list[PromptRecord]
+    task: Task | None
+
+
+def build_task(section: DataSection) -> Task | None:
+    if section.task is None:
+        return None
+    return get_task(section.task, **section.task_options)
+
+
+def build_prompt_data(section: DataSection, seed: int) -> PromptData:
+    task = build_task(section)
+    if task is not None:
+        return PromptData(task.prompts(section.num_train, seed, "train"),
+                          task.prompts(section.num_eval, seed + 1, "test"), task)
+    if section.train is None:
+        raise ConfigError("data.train: required when data.task is null")
+    evaluation = load_prompts(section.eval) if section.eval else []
+    return PromptData(load_prompts(section.train), evaluation, None)
+
+
+def build_sft_data(section: DataSection, seed: int) -> tuple[list[SFTRecord], list[SFTRecord], Task | None]:
+    task = build_task(section)
+    if task is not None:
+        return task.sft(section.num_train, seed, "train"), task.sft(section.num_eval, seed + 1, "test"), task
+    if section.train is None:
+        raise ConfigError("data.train: required when data.task is null")
+    evaluation = load_sft(section.eval) if section.eval else []
+    return load_sft(section.train), evaluation, None
+
+
+def build_rewards(config: ExperimentConfig, task: Task | None) -> RewardComputer:
+    builtins = {"task": task.reward} if task is not None else {}
+    if task is None and any(spec.fn == "task" for spec in config.rewards):
+        raise ConfigError("rewards: 'task' needs a built-in data.task; name a reward function instead")
+    return RewardComputer([WeightedReward(spec.fn, resolve_reward(spec.fn, builtins), spec.weight)
+                           for spec in config.rewards])
+
+
+def build_generator(model: torch.nn.Module, tokenizer: Any) -> Any:
+    """The rollout generator for a policy (its own copy of the weights, synced by ``update_weights``)."""
+    from tether.engine.static import StaticBatchGenerator
+
+    eos = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+    return StaticBatchGenerator(copy.deepcopy(model).eval(), eos_token_ids=eos,
+                                pad_token_id=tokenizer.pad_token_id or 0)

@@ -1,0 +1,89 @@
+"""The ``tether`` command: ``train``, ``generate``, ``demo``.
+
+User errors (``TetherError``) print one line on stderr and exit 2; nothing else is caught, so a
+bug in tether still shows its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tether.errors import TetherError
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="Run a training job (SFT or GRPO) from a YAML config.",
+                       description="Run a training job from a YAML config into a run directory.")
+    p.add_argument("config", help="YAML config file (see examples/).")
+    p.add_argument("overrides", nargs="*", help="Config overrides as key.path=value, e.g. trainer.lr=3e-4")
+    p.add_argument("--out", help="Run directory (default: <logging.run_root>/<name>-<timestamp>/).")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="Sample completions for a JSONL file of prompts.",
+                       description="Sample completions with the rollout engine; one JSON line per sample.")
+    p.add_argument("--model", required=True, help="Model directory (HF format, with tokenizer).")
+    p.add_argument("--prompts", required=True, help="JSONL file: one {'prompt': ...} per line; a line may "
+                   "override max_new_tokens, temperature, top_p, top_k, seed.")
+    p.add_argument("--output", required=True, help="Output JSONL file.")
+    p.add_argument("--n", type=int, default=1, help="Samples per prompt.")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy.")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="Stop string (repeatable).")
+    p.add_argument("--speculative", choices=["ngram"], help="Speculative decoding with prompt lookup.")
+    p.add_argument("--draft-model", help="Speculative decoding with this draft model directory.")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="Train a small model on built-in arithmetic: SFT, then GRPO. "
+                       "No downloads.", description="SFT warm start, then RL with a verifiable reward, "
+                       "on a model built from scratch; prints held-out accuracy before and after RL.")
+    p.add_argument("--quick", action="store_true", help="A shorter run (about a third of the time).")
+    p.add_argument("--out", help="Run directory (default: runs/demo-<timestamp>/).")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=["sync", "async"], default=None, help="RL loop mode.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tether", description="Asynchronous RL post-training for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(sub)
+    _add_generate(sub)
+    _add_demo(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            from tether.recipes import run_train
+
+            run_train(args.config, args.overrides, out=args.out)
+        elif args.command == "generate":
+            from tether.generate import run_generate
+
+            run_generate(args)
+        elif args.command == "demo":
+            from tether.demo import run_demo
+
+            run_demo(quick=args.quick, out=args.out, seed=args.seed, mode=args.mode)
+    except TetherError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Turn YAML files and `a.b.c=value` overrides into a validated ``ExperimentConfig``.
+
+Every failure becomes one ``ConfigError`` line naming the key: unknown keys get the closest valid
+key, literals list the allowed values, ranges say the bound.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from tether.config.schema import ExperimentConfig
+from tether.errors import ConfigError
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read ``path`` (YAML; may be None for all defaults), apply overrides, validate."""
+    values: dict[str, Any] = read_yaml(path) if path is not None else {}
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(values, key, value)
+    return validate(values, source=str(path) if path else "config")
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``trainer.lr=3e-4`` -> ("trainer.lr", 0.0003); the value is read as YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def set_dotted(values: dict[str, Any], key: str, value: Any) -> None:
+    node = values
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, not a section (override {key})")
+        node = child
+    node[parts[-1]] = value
+
+
+def validate(values: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {describe_error(exc.errors()[0])}") from None
+
+
+def describe_error(err: dict[str, Any]) -> str:
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc)
+    kind = err["type"]
+    given = err.get("input")
+    if kind == "extra_forbidden":
+        hint = closest_key(loc)
+        return f"unknown key '{key}'" + (f" (did you mean '{hint}'?)" if hint else "")
+    if kind == "literal_error":
+        allowed = err.get("ctx", {}).get("expected", "")
+        return f"{key}: must be one of {allowed}, got {given!r}"
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        bound = next(iter(err.get("ctx", {}).values()), "?")
+        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
+              "less_than_equal": "<="}[kind]
+        return f"{key}: must be {op} {bound}, got {given!r}"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    if kind in _EXPECTED:
+        return f"{key}: expected {_EXPECTED[kind]}, got {_short(given)}"
+    message = err["msg"].removeprefix("Value error, ")
+    return f"{key or 'config'}: {message}, got {_short(given)}"
+
+
+_EXPECTED = {
+    "float_parsing": "a number", "float_type": "a number", "int_parsing": "an integer",
+    "int_type": "an integer", "int_from_float": "an integer", "bool_parsing": "true or false",
+    "bool_type": "true or false", "string_type": "a string", "dict_type": "a mapping of keys",
+    "model_type": "a mapping of keys", "list_type": "a list", "tuple_type": "a list",
+}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def all_keys(model: type[BaseModel] = ExperimentConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (sections and leaves)."""
+    keys: list[str] = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys.extend(all_keys(annotation, dotted + "."))
+    return keys
+
+
+def closest_key(loc: list[str]) -> str | None:
+    if any(part.isdigit() for part in loc):  # inside a list (e.g. rewards.0.fnn): compare leaf names
+        return None
+    wanted = ".".join(loc)
+    parent = ".".join(loc[:-1])
+    keys = all_keys()
+    siblings = [k for k in keys if k.rsplit(".", 1)[0] == parent] if parent else \
+        [k for k in keys if "." not in k]
+    match = difflib.get_close_matches(wanted, siblings, n=1, cutoff=0.5) or \
+        difflib.get_close_matches(wanted, keys, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def save_resolved(config: ExperimentConfig, run_dir: Path) -> Path:
+    """Write the resolved config (every default filled in) into the run directory."""
+    path = run_dir / "config.yaml"
+    data = json.loads(config.model_dump_json())
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -1,0 +1,243 @@
+"""Read datasets from local files and validate every row into typed records.
+
+Sources (never the network):
+
+* ``*.jsonl`` -- one JSON object per line; blank lines are skipped; rows are named ``file:LINE``
+  with 1-based line numbers, as an editor shows them;
+* ``*.parquet`` -- rows named ``file:row N`` with the 0-based row number (``table.slice(N, 1)``);
+* a directory written by ``datasets``' ``save_to_disk`` (a ``Dataset`` or a ``DatasetDict``, from
+  which ``split`` is taken) -- rows named ``dir:row N`` (0-based, ``ds[N]``);
+* any other local directory or dataset name, through ``datasets.load_dataset(source, split=split)``
+  with ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_OFFLINE=1`` so it only reads what is on disk;
+* an in-memory sequence of dicts (tests, built-in tasks), named ``<rows>:row N``.
+
+Row formats:
+
+* prompts: ``prompt`` (text or chat messages) plus any other columns, kept as ``fields``;
+* SFT: ``prompt`` + ``completion``, or ``messages`` (the last, assistant, message is the
+  completion), or ``text`` (loss on all of it);
+* preferences: ``prompt`` + ``chosen`` + ``rejected``; without ``prompt``, ``chosen`` and
+  ``rejected`` may be full conversations that share everything but the last assistant message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tether.data.records import (
+    PreferenceRecord,
+    PromptRecord,
+    SFTRecord,
+    check_reply,
+    check_text,
+    split_conversation,
+    type_name,
+)
+from tether.errors import ConfigError, DataError
+
+Source = str | os.PathLike[str] | Sequence[Mapping[str, Any]]
+Row = tuple[str, Any]  # (where, raw row): "data/train.jsonl:17", {...}
+RecordT = TypeVar("RecordT")
+
+
+def load_prompts(source: Source, *, split: str = "train", limit: int | None = None) -> list[PromptRecord]:
+    """RL prompts; every column other than ``prompt`` is kept in ``fields`` for the reward."""
+    return _load(source, split, limit, _prompt_from_row)
+
+
+def load_sft(source: Source, *, split: str = "train", limit: int | None = None) -> list[SFTRecord]:
+    """SFT examples from ``prompt``/``completion``, ``messages`` or ``text`` rows."""
+    return _load(source, split, limit, _sft_from_row)
+
+
+def load_preferences(
+    source: Source, *, split: str = "train", limit: int | None = None
+) -> list[PreferenceRecord]:
+    """Preference pairs from ``prompt``/``chosen``/``rejected`` rows."""
+    return _load(source, split, limit, _preference_from_row)
+
+
+def _load(
+    source: Source, split: str, limit: int | None, parse: Callable[[dict[str, Any], str, int], RecordT]
+) -> list[RecordT]:
+    if limit is not None and limit < 1:
+        raise ConfigError(f"data limit must be >= 1 or None, got {limit}")
+    records: list[RecordT] = []
+    for where, row in read_rows(source, split=split):
+        if limit is not None and len(records) >= limit:
+            break
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: row must be a JSON object, got {type_name(row)}")
+        records.append(parse(row, where, len(records)))
+    if not records:
+        raise DataError(f"{_display(source)}: dataset is empty (no rows)")
+    return records
+
+
+# --- row -> record -------------------------------------------------------------------------------
+
+
+def _require(row: dict[str, Any], name: str, where: str, hint: str = "") -> Any:
+    if name not in row or row[name] is None:
+        raise DataError(f"{where}: missing field '{name}'{hint}")
+    return row[name]
+
+
+def _prompt_from_row(row: dict[str, Any], where: str, index: int) -> PromptRecord:
+    prompt = check_text(_require(row, "prompt", where), where, "prompt")
+    fields = {k: v for k, v in row.items() if k != "prompt"}
+    return PromptRecord(prompt=prompt, fields=fields, index=index)
+
+
+def _sft_from_row(row: dict[str, Any], where: str, index: int) -> SFTRecord:
+    if "messages" in row and "prompt" not in row:
+        messages = check_text(row["messages"], where, "messages")
+        if isinstance(messages, str):
+            raise DataError(f"{where}: field 'messages' must be a list of chat messages, got str")
+        prompt, completion = split_conversation(messages, where, "messages")
+        return SFTRecord(prompt=prompt, completion=completion, index=index)
+    if "text" in row and "prompt" not in row:
+        text = check_text(row["text"], where, "text")
+        if not isinstance(text, str):
+            raise DataError(f"{where}: field 'text' must be a string, got list")
+        return SFTRecord(prompt=text, completion=None, index=index)
+    hint = " (SFT rows need 'prompt' and 'completion', or 'messages', or 'text')"
+    prompt = check_text(_require(row, "prompt", where, hint), where, "prompt")
+    completion = check_reply(_require(row, "completion", where, hint), prompt, where, "completion")
+    return SFTRecord(prompt=prompt, completion=completion, index=index)
+
+
+def _preference_from_row(row: dict[str, Any], where: str, index: int) -> PreferenceRecord:
+    chosen_raw = _require(row, "chosen", where)
+    rejected_raw = _require(row, "rejected", where)
+    if row.get("prompt") is None and isinstance(chosen_raw, list) and isinstance(rejected_raw, list):
+        return _implicit_prompt_pair(chosen_raw, rejected_raw, where, index)
+    prompt = check_text(_require(row, "prompt", where), where, "prompt")
+    chosen = check_reply(chosen_raw, prompt, where, "chosen")
+    rejected = check_reply(rejected_raw, prompt, where, "rejected")
+    return PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected, index=index)
+
+
+def _implicit_prompt_pair(chosen_raw: list, rejected_raw: list, where: str, index: int) -> PreferenceRecord:
+    chosen_chat = check_text(chosen_raw, where, "chosen")
+    rejected_chat = check_text(rejected_raw, where, "rejected")
+    assert isinstance(chosen_chat, list) and isinstance(rejected_chat, list)
+    prompt, chosen = split_conversation(chosen_chat, where, "chosen")
+    rejected_prompt, rejected = split_conversation(rejected_chat, where, "rejected")
+    if prompt != rejected_prompt:
+        raise DataError(
+            f"{where}: fields 'chosen' and 'rejected' must share every message but the last "
+            "when there is no 'prompt' field"
+        )
+    return PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected, index=index)
+
+
+# --- sources -> raw rows -------------------------------------------------------------------------
+
+
+def read_rows(source: Source, *, split: str = "train") -> Iterator[Row]:
+    """Yield ``(where, row)`` for every row of ``source``; rows are not validated here."""
+    if isinstance(source, Sequence) and not isinstance(source, str):
+        yield from ((f"<rows>:row {i}", row) for i, row in enumerate(source))
+        return
+    path = Path(source)
+    if path.is_dir():
+        yield from _read_datasets_dir(path, split)
+    elif path.suffix == ".jsonl":
+        yield from _read_jsonl(path)
+    elif path.suffix == ".parquet":
+        yield from _read_parquet(path)
+    elif path.exists():
+        raise DataError(
+            f"unsupported data file type '{path.suffix}': {path} (use .jsonl, .parquet or a directory)"
+        )
+    elif path.suffix or os.sep in str(source):
+        raise DataError(f"data file not found: {path}")
+    else:
+        yield from _read_named_dataset(str(source), split)
+
+
+def _read_jsonl(path: Path) -> Iterator[Row]:
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    with path.open(encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            yield where, row
+
+
+def _read_parquet(path: Path) -> Iterator[Row]:
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several unrelated types for a bad file
+        raise DataError(f"{path}: cannot read Parquet file ({_one_line(e)})") from None
+    row_number = 0
+    for batch in parquet.iter_batches():  # streamed so a `limit` does not read the whole file
+        for row in batch.to_pylist():
+            yield f"{path}:row {row_number}", row
+            row_number += 1
+
+
+def _read_datasets_dir(path: Path, split: str) -> Iterator[Row]:
+    datasets = _offline_datasets()
+    is_saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+    try:
+        dataset = (
+            datasets.load_from_disk(str(path)) if is_saved else datasets.load_dataset(str(path), split=split)
+        )
+    except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
+        raise DataError(f"{path}: cannot load dataset ({_one_line(e)})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise DataError(f"{path}: no split '{split}' (available: {', '.join(dataset)})")
+        dataset = dataset[split]
+    yield from ((f"{path}:row {i}", row) for i, row in enumerate(dataset))
+
+
+def _read_named_dataset(name: str, split: str) -> Iterator[Row]:
+    datasets = _offline_datasets()
+    try:
+        dataset = datasets.load_dataset(name, split=split)
+    except Exception as e:
+        raise DataError(f"cannot load dataset '{name}' offline ({_one_line(e)})") from None
+    yield from ((f"{name}:row {i}", row) for i, row in enumerate(dataset))
+
+
+def _offline_datasets() -> Any:
+    """Import ``datasets`` so that it can only read local files and its cache.
+
+    ``datasets`` reads the variable once, at import; if something imported it earlier, the flag
+    on its config module is set as well (the only supported switch it has).
+    """
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets
+
+    datasets.config.HF_HUB_OFFLINE = True
+    datasets.config.HF_DATASETS_OFFLINE = True
+    return datasets
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+def _display(source: Source) -> str:
+    if isinstance(source, Sequence) and not isinstance(source, str):
+        return "<rows>"
+    return str(source)

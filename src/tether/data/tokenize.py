@@ -1,0 +1,159 @@
+"""Records -> token ids, with the loss mask that says which tokens the model is trained to produce.
+
+Prompt convention (``tokenize_prompt``; the rollout engine and SFT share it, so a policy sees at
+generation exactly the prefix it was trained on):
+
+* plain text: ``[bos] + encode(prompt)`` (bos only if the tokenizer has one);
+* chat: ``encode(apply_chat_template(messages, add_generation_prompt=True))``; the template
+  decides about bos. Text is encoded with ``add_special_tokens=False`` so bos is never doubled.
+
+SFT example (``tokenize_sft``): ``prompt_ids + completion_ids`` where
+
+* plain text: ``completion_ids = encode(completion) + [eos]``;
+* chat: the conversation with the reply is rendered by the template; its text must start with the
+  prompt's text (true of every sane template), and the rest is the reply. If the reply's tokens
+  contain eos (templates close a turn with it, often followed by a newline), they are cut just
+  after the last eos -- generation stops there, so later tokens are never sampled; otherwise eos
+  is appended. The mask covers exactly these reply tokens.
+* ``completion=None`` (a ``text`` row): every token after the first is a target, then eos.
+
+Mask convention: ``loss_mask[t]`` is True when token ``t`` is a *target*, predicted from the
+logits at position ``t - 1``; ``loss_mask[0]`` is always False.
+
+Length: a prompt of ``max_len`` tokens or more raises ``DataError`` (nothing left to learn);
+otherwise the completion is cut on the right to fit ``max_len``. A cut completion loses its eos,
+on purpose: the model must not learn to stop at an arbitrary truncation point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tether.data.records import PreferenceRecord, SFTRecord, Text
+from tether.errors import DataError
+
+
+class Tokenizer(Protocol):
+    """The slice of the Hugging Face tokenizer API this module relies on."""
+
+    eos_token_id: int | None
+    bos_token_id: int | None
+    pad_token_id: int | None
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
+
+
+class HasPrompt(Protocol):
+    prompt: Text
+
+
+@dataclass(slots=True)
+class SFTExample:
+    input_ids: list[int]  # [T]
+    loss_mask: list[bool]  # [T]; loss_mask[t]: token t is a target predicted from position t-1
+    index: int = 0  # the record's index, to trace an example back to its row
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError(f"input_ids has {len(self.input_ids)} tokens, loss_mask {len(self.loss_mask)}")
+        if not self.input_ids:
+            raise ValueError("an example needs at least one token")
+        if self.loss_mask[0]:
+            raise ValueError("loss_mask[0] must be False: the first token has no preceding position")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+def tokenize_prompt(record: HasPrompt, tokenizer: Tokenizer) -> list[int]:
+    """Prompt token ids, ending where generation (or the completion) starts."""
+    if isinstance(record.prompt, str):
+        bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        return bos + _encode(tokenizer, record.prompt)
+    return _encode(tokenizer, _render_chat(tokenizer, record.prompt, add_generation_prompt=True))
+
+
+def tokenize_sft(record: SFTRecord, tokenizer: Tokenizer, max_len: int) -> SFTExample:
+    """Token ids and loss mask for one SFT record; see the module docstring for the conventions."""
+    if max_len < 2:
+        raise ValueError(f"max_len must be >= 2, got {max_len}")
+    eos = _eos_id(tokenizer)
+    if record.completion is None:
+        if not isinstance(record.prompt, str):
+            raise DataError(f"example {record.index}: a record without completion must be plain text")
+        ids = (tokenize_prompt(record, tokenizer) + [eos])[:max_len]
+        return SFTExample(ids, [False] + [True] * (len(ids) - 1), record.index)
+    prompt_ids = tokenize_prompt(record, tokenizer)
+    completion_ids = _completion_ids(record, tokenizer, eos)
+    if len(prompt_ids) >= max_len:
+        raise DataError(
+            f"example {record.index}: prompt is {len(prompt_ids)} tokens, "
+            f"leaving no room for the completion within max_len={max_len}"
+        )
+    completion_ids = completion_ids[: max_len - len(prompt_ids)]
+    loss_mask = [False] * len(prompt_ids) + [True] * len(completion_ids)
+    loss_mask[0] = False  # only reachable with an empty prompt and no bos
+    return SFTExample(prompt_ids + completion_ids, loss_mask, record.index)
+
+
+def tokenize_preference(
+    record: PreferenceRecord, tokenizer: Tokenizer, max_len: int
+) -> tuple[SFTExample, SFTExample]:
+    """(chosen, rejected) examples sharing the same prompt tokens."""
+    chosen = tokenize_sft(SFTRecord(record.prompt, record.chosen, record.index), tokenizer, max_len)
+    rejected = tokenize_sft(SFTRecord(record.prompt, record.rejected, record.index), tokenizer, max_len)
+    return chosen, rejected
+
+
+def _completion_ids(record: SFTRecord, tokenizer: Tokenizer, eos: int) -> list[int]:
+    if isinstance(record.prompt, str):
+        if not isinstance(record.completion, str):
+            raise DataError(f"example {record.index}: a plain-text prompt needs a plain-text completion")
+        return _encode(tokenizer, record.completion) + [eos]
+    assert record.completion is not None
+    reply = record.completion
+    if isinstance(reply, str):
+        reply = [{"role": "assistant", "content": reply}]
+    prompt_text = _render_chat(tokenizer, record.prompt, add_generation_prompt=True)
+    full_text = _render_chat(tokenizer, record.prompt + reply, add_generation_prompt=False)
+    if not full_text.startswith(prompt_text):
+        raise DataError(
+            f"example {record.index}: the chat template does not render the prompt as a prefix of the "
+            "conversation, so the assistant reply cannot be located"
+        )
+    ids = _encode(tokenizer, full_text[len(prompt_text) :])
+    if eos in ids:
+        last_eos = len(ids) - 1 - ids[::-1].index(eos)
+        return ids[: last_eos + 1]
+    return ids + [eos]
+
+
+def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("chat-formatted data needs a tokenizer with a chat_template; this tokenizer has none")
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert isinstance(text, str)
+    return text
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _eos_id(tokenizer: Tokenizer) -> int:
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no eos_token_id; SFT needs one to teach the model where to stop")
+    return tokenizer.eos_token_id

@@ -1,0 +1,15 @@
+"""The rollout engine: paged KV cache, prefix caching, continuous batching, per-token log-probs."""
+
+from tether.engine.config import EngineConfig
+from tether.engine.engine import EngineStats, LLMEngine
+from tether.engine.types import Completion, FinishReason, Generator, SamplingParams
+
+__all__ = [
+    "Completion",
+    "EngineConfig",
+    "EngineStats",
+    "FinishReason",
+    "Generator",
+    "LLMEngine",
+    "SamplingParams",
+]

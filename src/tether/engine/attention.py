@@ -1,0 +1,241 @@
+"""Paged attention: the engine's ``AttentionBackend`` over a block pool, for one flattened step.
+
+A step runs every scheduled token of every sequence back to back in one row (``B = 1``). Per layer,
+``attend`` writes the new keys/values into their pool slots (``slot_mapping``), then gathers each
+sequence's whole context through its block table and runs SDPA. Sequences are attended in at most
+two padded batches, each one SDPA call per layer:
+
+* decode rows (one new token): queries ``[S, Hkv, G, D]`` -- the G query heads of a KV head act
+  as G queries, so grouped-query attention needs no expanded K/V -- over keys ``[S, Hkv, L, D]``
+  with a length mask;
+* prefill chunks (several new tokens): queries padded to ``[S, Hq, Tq, D]``, causal over cached
+  plus new keys.
+
+All indices and masks are built once per step (``build_step_metadata``) and shared by all layers,
+so the per-layer work has no Python loop over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class KVCache:
+    """The pool. k, v: ``[num_layers, num_blocks, block_size, Hkv, D]``; slot = block * size + offset."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: padded gathers read unused slots, and NaN garbage times a zero
+        # attention weight would still be NaN.
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        )
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Apply copy-on-write block copies, all layers at once."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.k.device)
+        dst = torch.tensor([d for _, d in copies], device=self.k.device)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences attended by one SDPA call per layer (S rows, queries padded to Tq, keys to Lk)."""
+
+    query_index: torch.Tensor  # [S, Tq] position of each query in the step; padding repeats a real one
+    block_ids: torch.Tensor  # [S * Nb] block tables, flattened, padded with block 0; Lk = Nb * block_size
+    mask: torch.Tensor  # [S, 1, Tq, Lk] additive float mask (0 or -inf)
+    window_mask: torch.Tensor | None  # the same with the sliding window applied, if the model has one
+    out_index: torch.Tensor  # [M] step positions of the real queries
+    out_select: torch.Tensor | None  # [M] their rows in the flattened [S * Tq] output; None: no padding
+
+    @property
+    def num_rows(self) -> int:
+        return self.query_index.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_index.shape[1] == 1
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    slot_mapping: torch.Tensor  # [T] pool slot of each new token
+    groups: list[AttentionGroup]
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """What the step computes for one sequence: tokens [start, start + num_new) of ``block_table``."""
+
+    start: int
+    num_new: int
+    block_table: list[int]
+
+
+def build_step_metadata(
+    spans: list[SeqSpan],
+    block_size: int,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> StepMetadata:
+    """Slot mapping and attention groups for a step computing ``spans`` (in step order)."""
+    offsets, slots = [], []
+    offset = 0
+    for span in spans:
+        offsets.append(offset)
+        offset += span.num_new
+        slots.extend(_slots(span, block_size))
+    decode_rows = [i for i, span in enumerate(spans) if span.num_new == 1]
+    prefill_rows = [i for i, span in enumerate(spans) if span.num_new > 1]
+    groups = [
+        _build_group(
+            [spans[i] for i in rows], [offsets[i] for i in rows], block_size, sliding_window, dtype, device
+        )
+        for rows in (decode_rows, prefill_rows)
+        if rows
+    ]
+    return StepMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups)
+
+
+def _slots(span: SeqSpan, block_size: int) -> list[int]:
+    end = span.start + span.num_new
+    table = span.block_table
+    if span.num_new == 1:  # the decode fast path: one slot, no loop
+        return [table[span.start // block_size] * block_size + span.start % block_size]
+    return [table[p // block_size] * block_size + p % block_size for p in range(span.start, end)]
+
+
+def _build_group(
+    spans: list[SeqSpan],
+    offsets: list[int],
+    block_size: int,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> AttentionGroup:
+    num_blocks = max(-(-(s.start + s.num_new) // block_size) for s in spans)
+    tables = [s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table)) for s in spans]
+    block_ids = torch.tensor(tables, dtype=torch.long, device=device).view(-1)  # [S * Nb]
+    start = torch.tensor([s.start for s in spans], device=device)  # [S]
+    num_new = torch.tensor([s.num_new for s in spans], device=device)  # [S]
+    offset = torch.tensor(offsets, device=device)  # [S]
+    q_len = int(max(s.num_new for s in spans))
+    j = torch.arange(q_len, device=device)  # [Tq]
+    # Padded queries repeat the row's last real token: a valid input whose output is dropped.
+    query_index = offset[:, None] + torch.minimum(j[None, :], num_new[:, None] - 1)  # [S, Tq]
+    q_pos = start[:, None] + j[None, :]  # [S, Tq] absolute positions (padding runs past the end)
+    k_pos = torch.arange(num_blocks * block_size, device=device)  # [Lk]
+    distance = q_pos[:, :, None] - k_pos[None, None, :]  # [S, Tq, Lk]
+    context_len = (start + num_new)[:, None, None]  # [S, 1, 1]
+    # Every row keeps key 0, so padded queries never see an all -inf row (NaN).
+    is_visible = (distance >= 0) & (k_pos[None, None, :] < context_len)  # [S, Tq, Lk]
+    mask = _additive(is_visible, dtype)
+    window_mask = _additive(is_visible & (distance < window), dtype) if window is not None else None
+    is_real = j[None, :] < num_new[:, None]  # [S, Tq]
+    is_padded = q_len > 1 and not bool(is_real.all())
+    return AttentionGroup(
+        query_index=query_index,
+        block_ids=block_ids,
+        mask=mask,
+        window_mask=window_mask,
+        out_index=query_index[is_real],
+        out_select=is_real.view(-1).nonzero().view(-1) if is_padded else None,
+    )
+
+
+def _additive(is_visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [S, Tq, Lk] -> [S, 1, Tq, Lk]: 0 where visible, -inf elsewhere (faster in SDPA than bool)."""
+    mask = torch.zeros(is_visible.shape, dtype=dtype, device=is_visible.device)
+    return mask.masked_fill_(~is_visible, float("-inf")).unsqueeze(1)
+
+
+@dataclass(slots=True)
+class PagedAttention:
+    """``AttentionBackend`` for one engine step; built by the runner with that step's metadata."""
+
+    cache: KVCache
+    meta: StepMetadata
+    sliding_window_layers: tuple[int, ...] = ()  # layers that use the group's window_mask
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q ``[1, T, Hq, D]``, k/v ``[1, T, Hkv, D]`` -> ``[1, T, Hq, D]``."""
+        k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]  # [NB, bs, Hkv, D]
+        num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+        # Write first: a sequence's own new keys are read back by the gather below.
+        k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, k[0].to(k_pool.dtype))
+        v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, v[0].to(v_pool.dtype))
+        q = q[0]  # [T, Hq, D]
+        is_windowed = layer_idx in self.sliding_window_layers
+        out = torch.empty_like(q)
+        for group in self.meta.groups:  # at most two: decodes, prefill chunks
+            mask = group.window_mask if is_windowed and group.window_mask is not None else group.mask
+            keys = _gather(k_pool, group)  # [S, Hkv, Lk, D]
+            values = _gather(v_pool, group)
+            if group.is_decode:
+                rows = _attend_decode(q, keys, values, group, mask)
+            else:
+                rows = _attend_prefill(q, keys, values, group, mask)
+            out[group.out_index] = rows if group.out_select is None else rows[group.out_select]
+        return out.unsqueeze(0)
+
+
+def _gather(pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """pool [NB, bs, Hkv, D] -> the group's contexts [S, Hkv, Lk, D] (a strided view of one copy)."""
+    num_rows = group.num_rows
+    gathered = pool.index_select(0, group.block_ids)  # [S * Nb, bs, Hkv, D]
+    return gathered.view(num_rows, -1, pool.shape[2], pool.shape[3]).transpose(1, 2)
+
+
+def _attend_decode(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup, mask: torch.Tensor
+) -> torch.Tensor:
+    num_rows, num_kv_heads, _, head_dim = keys.shape
+    queries = q[group.query_index.view(-1)]  # [S, Hq, D]
+    # Query head h reads KV head h // G, so the G heads of a group are G queries of one KV head.
+    queries = queries.view(num_rows, num_kv_heads, -1, head_dim).to(keys.dtype)  # [S, Hkv, G, D]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [S, Hkv, G, D]
+    return out.reshape(num_rows, -1, head_dim)  # [S, Hq, D]
+
+
+def _attend_prefill(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup, mask: torch.Tensor
+) -> torch.Tensor:
+    num_rows, num_kv_heads, _, head_dim = keys.shape
+    queries = q[group.query_index].transpose(1, 2).to(keys.dtype)  # [S, Hq, Tq, D]
+    is_gqa = queries.shape[1] != num_kv_heads
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask, enable_gqa=is_gqa
+    )  # [S, Hq, Tq, D]
+    return out.transpose(1, 2).reshape(-1, out.shape[1], head_dim)  # [S * Tq, Hq, D]

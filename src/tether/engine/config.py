@@ -1,0 +1,47 @@
+"""``EngineConfig``: the knobs of the rollout engine, checked once when the engine is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tether.errors import ConfigError
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # sequences (samples, not prompts) running at once
+    max_num_batched_tokens: int = 2048  # per-step token budget: prefill chunks + decodes
+    max_model_len: int | None = None  # prompt + completion cap; None: the model's max positions
+    # KV pool size, first one set wins: a block count, a byte budget, else a fraction of free memory.
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.3
+    enable_prefix_caching: bool = True  # reuse computed full blocks across requests (hash chain)
+    enable_chunked_prefill: bool = True  # split long prompts over steps to respect the token budget
+    # On a weight update, running sequences keep the KV computed under the old weights (cheaper, and
+    # the per-token ``versions`` already record which policy produced each token). True instead
+    # preempts them so their whole context is recomputed under the new weights.
+    recompute_kv_on_update: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # added to every request's stop ids (e.g. the tokenizer's EOS)
+    seed: int = 0  # seeds requests that bring no seed of their own
+
+    def __post_init__(self) -> None:
+        positive = {
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"engine.{name} must be >= 1, got {value}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"engine.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ConfigError(f"engine.kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError(
+                f"engine.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )

@@ -1,0 +1,289 @@
+"""``LLMEngine``: the rollout engine -- requests in, completions with log-probs and versions out.
+
+One ``step()`` = schedule (continuous batching) -> one forward over all scheduled tokens (paged
+KV) -> sample -> bookkeeping. ``generate`` loops ``step`` until its requests finish; the
+incremental API (``add_request`` / ``step`` / ``abort``) serves an async rollout loop.
+
+Weight updates (``update_weights``) land between steps, in place. Policy for sequences in flight:
+by default they keep the KV computed under the old weights and continue with the new ones (no
+recompute; every token's ``versions`` entry says which policy sampled it). With
+``EngineConfig.recompute_kv_on_update`` they are preempted instead and recompute their whole
+context under the new weights. Either way the prefix cache is flushed, so no new request reuses
+stale KV.
+
+Speculative decoding will slot in between schedule and sample: a proposer extends each decode
+span with draft tokens (``SeqSpan.num_new > 1``, logits at every draft position) and the sampler
+accepts a prefix; the attention backend already handles multi-token spans over cached context.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceLike
+from dataclasses import dataclass
+
+import torch
+
+from tether.engine.attention import SeqSpan
+from tether.engine.block_manager import BlockManager
+from tether.engine.config import EngineConfig
+from tether.engine.runner import DecoderModel, ModelRunner, StepInput, num_kv_blocks_for
+from tether.engine.sampler import Detokenizer, Sampler, finish_reason
+from tether.engine.scheduler import Scheduler, SchedulerOutput
+from tether.engine.sequence import Sequence, sample_seed
+from tether.engine.types import Completion, SamplingParams
+from tether.errors import ConfigError, RequestError
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens run through the model (recomputes after preemption count)
+    num_decode_tokens: int = 0  # generated tokens run through the model
+    num_generated_tokens: int = 0  # tokens sampled
+    num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+
+class LLMEngine:
+    """Satisfies ``tether.engine.types.Generator``."""
+
+    def __init__(
+        self, model: DecoderModel, *, tokenizer: Detokenizer | None = None, config: EngineConfig | None = None
+    ) -> None:
+        self.config = config = config if config is not None else EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = _max_model_len(config, model.config.max_position_embeddings)
+        blocks_per_seq = -(-self.max_model_len // config.block_size)
+        num_blocks = num_kv_blocks_for(
+            model, config.block_size, config.num_kv_blocks, config.kv_cache_bytes,
+            config.kv_cache_memory_fraction, max_blocks_useful=config.max_num_seqs * blocks_per_seq,
+        )  # fmt: skip
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self.policy_version = 0
+        self._requests: dict[int, list[Sequence]] = {}  # unfinished requests, all their samples
+        self._done: list[Completion] = []  # finished outside a step (errors, aborts): next step returns them
+        self._next_request_id = 0
+        self._next_seq_id = 0
+        self._seed_rng = random.Random(config.seed)  # seeds for requests without their own
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt_ids: SequenceLike[int], params: SamplingParams | None = None) -> int:
+        """Queue ``params.n`` samples of a prompt; returns the request id their completions carry.
+
+        A request the engine cannot serve does not raise: its completions come out of the next
+        ``step()`` with ``finish_reason="error"`` and a one-line ``error``.
+        """
+        params = params if params is not None else SamplingParams()
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        prompt = [int(t) for t in prompt_ids]
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        stop_ids = frozenset(params.stop_token_ids) | frozenset(self.config.stop_token_ids)
+        seqs = [self._new_sequence(request_id, i, prompt, params, stop_ids, seed) for i in range(params.n)]
+        error = self._check_request(prompt, params)
+        if error is not None:
+            for seq in seqs:
+                seq.finish("error", f"request {request_id}: {error}")
+                self._done.append(seq.to_completion(request_id))
+            return request_id
+        self._requests[request_id] = seqs
+        seqs[0].followers = seqs[1:]  # forked off once the prompt is computed: one prefill per group
+        self.scheduler.add(seqs[0])
+        return request_id
+
+    def abort(self, request_ids: Iterable[int] | None = None) -> None:
+        """Stop requests (all when None); their completions, ``finish_reason="abort"``, come out of
+        the next ``step()`` with the tokens generated so far."""
+        for request_id in list(self._requests) if request_ids is None else list(request_ids):
+            for seq in self._requests.pop(request_id, []):
+                if seq.is_finished:
+                    continue
+                self.scheduler.remove(seq)
+                seq.finish("abort")
+                self._done.append(seq.to_completion(request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._done)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[Completion]:
+        """Run one scheduling step; returns the completions that finished in it."""
+        done, self._done = self._done, []
+        out = self.scheduler.schedule()
+        self.stats.num_preemptions += out.num_preempted
+        self.stats.num_prefix_hit_tokens += out.num_prefix_hit_tokens
+        if out.is_empty:
+            return done
+        step_input, samplers = self._prepare(out)
+        logits = self.runner.run(step_input, out.block_copies)  # [N, V]
+        self._advance(out)
+        done.extend(self._sample_and_finish(logits, samplers))
+        self.stats.num_steps += 1
+        return done
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[StepInput, list[Sequence]]:
+        """Flatten the scheduled spans into one row; note which sequences sample (in row order)."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        spans, logits_index, samplers = [], [], []
+        for item in out.scheduled:
+            seq, start, num_new = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            token_ids.extend(seq.token_ids[start : start + num_new])
+            positions.extend(range(start, start + num_new))
+            spans.append(SeqSpan(start, num_new, seq.block_table))
+            if item.is_sampling:
+                logits_index.append(len(token_ids) - 1)
+                samplers.append(seq)
+        return StepInput(token_ids, positions, spans, logits_index), samplers
+
+    def _advance(self, out: SchedulerOutput) -> None:
+        """Mark the scheduled tokens computed and offer newly full blocks to the prefix cache."""
+        for item in out.scheduled:
+            seq = item.seq
+            before = seq.num_computed_tokens
+            num_prompt = max(0, min(before + item.num_new_tokens, seq.num_prompt_tokens) - before)
+            self.stats.num_prefill_tokens += num_prompt
+            self.stats.num_decode_tokens += item.num_new_tokens - num_prompt
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(seq, before)
+
+    def _sample_and_finish(self, logits: torch.Tensor, samplers: list[Sequence]) -> list[Completion]:
+        # A leader finishing its prompt samples for its whole group from the same logits row.
+        rows, seqs = [], []
+        for row, seq in enumerate(samplers):
+            group = [seq, *self.scheduler.fork(seq)] if seq.followers else [seq]
+            rows.extend([row] * len(group))
+            seqs.extend(group)
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]  # [N', V]
+        result = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        done = []
+        for seq, token_id, logprob in zip(seqs, result.token_ids, result.logprobs):
+            seq.append_token(token_id, logprob, self.policy_version)
+            reason = finish_reason(seq, self.max_model_len, self.tokenizer)
+            if reason is not None:
+                seq.finish(reason)
+                done.append(seq.to_completion(seq.request_id))
+                self._forget_if_done(seq.request_id)
+        self.stats.num_generated_tokens += len(seqs)
+        self.scheduler.remove_finished()
+        return done
+
+    # ------------------------------------------------------------------ batch API
+
+    def generate(
+        self, prompts: SequenceLike[SequenceLike[int]], params: SamplingParams | SequenceLike[SamplingParams]
+    ) -> list[Completion]:
+        """``n`` completions per prompt, grouped by prompt in order (sample 0..n-1 within a group).
+
+        ``Completion.prompt_index`` is the prompt's index in ``prompts``. Completions of requests
+        added earlier through ``add_request`` are kept for the next ``step()``.
+        """
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise RequestError(f"generate got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        prompt_index = {self.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params_list))}
+        results: list[list[Completion]] = [[] for _ in prompts]
+        num_left = sum(sp.n for sp in params_list)
+        others: list[Completion] = []
+        while num_left > 0:
+            for completion in self.step():
+                index = prompt_index.get(completion.request_id)
+                if index is None:
+                    others.append(completion)
+                    continue
+                completion.prompt_index = index
+                results[index].append(completion)
+                num_left -= 1
+        self._done = others + self._done
+        return [c for group in results for c in sorted(group, key=lambda c: c.sample_index)]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy new weights into the model in place; tokens sampled from now on carry ``version``."""
+        self.runner.load_weights(named_tensors)
+        self.policy_version = version
+        self.block_manager.flush_prefix_cache()
+        if self.config.recompute_kv_on_update:
+            self.stats.num_preemptions += self.scheduler.preempt_all()
+        else:
+            for seq in self.scheduler.running:
+                seq.is_kv_stale = True
+
+    # ------------------------------------------------------------------ helpers
+
+    def _new_sequence(
+        self,
+        request_id: int,
+        sample_index: int,
+        prompt: list[int],
+        params: SamplingParams,
+        stop_ids: frozenset[int],
+        seed: int,
+    ) -> Sequence:
+        generator = torch.Generator().manual_seed(sample_seed(seed, sample_index))
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        token_ids = list(prompt) if prompt else [0]  # an empty prompt is rejected; keep the invariant
+        num_prompt = len(prompt) if prompt else 1
+        return Sequence(seq_id, request_id, sample_index, token_ids, num_prompt, params, stop_ids, generator)
+
+    def _check_request(self, prompt: list[int], params: SamplingParams) -> str | None:
+        """Why the engine cannot serve this request, as one line; None when it can."""
+        if not prompt:
+            return "the prompt is empty"
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            position = prompt.index(bad)
+            return f"token id {bad} at position {position} is not in the vocabulary [0, {self.vocab_size})"
+        if len(prompt) >= self.max_model_len:
+            return f"the prompt has {len(prompt)} tokens; max_model_len={self.max_model_len} leaves no room"
+        if params.stop_strings and self.tokenizer is None:
+            return "stop_strings need a tokenizer: pass tokenizer= to LLMEngine"
+        if any(not s for s in params.stop_strings):
+            return "stop_strings contains an empty string"
+        num_tokens = min(len(prompt) + params.max_new_tokens, self.max_model_len)
+        num_blocks = -(-num_tokens // self.config.block_size)
+        if num_blocks > self.block_manager.num_blocks:
+            return (
+                f"up to {num_tokens} tokens need {num_blocks} KV blocks, "
+                f"the pool has {self.block_manager.num_blocks}"
+            )
+        return None
+
+    def _forget_if_done(self, request_id: int) -> None:
+        seqs = self._requests.get(request_id)
+        if seqs is not None and all(seq.is_finished for seq in seqs):
+            del self._requests[request_id]
+
+
+def _max_model_len(config: EngineConfig, max_positions: int) -> int:
+    max_model_len = config.max_model_len if config.max_model_len is not None else max_positions
+    if max_model_len > max_positions:
+        raise ConfigError(
+            f"engine.max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+            f"{max_positions}"
+        )
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"engine.max_num_batched_tokens={config.max_num_batched_tokens} must be >= max_model_len="
+            f"{max_model_len} when enable_chunked_prefill is false (a whole prompt runs in one step)"
+        )
+    return max_model_len

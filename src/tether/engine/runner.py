@@ -1,0 +1,134 @@
+"""``ModelRunner``: owns the model and the KV pool; turns a scheduled step into logits.
+
+One forward per step over all scheduled tokens flattened into one row. Logits are computed only
+at the positions that sample (the last token of each sequence that reaches its end), because on a
+small model the vocabulary projection would otherwise dominate the step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tether.engine.attention import KVCache, PagedAttention, SeqSpan, build_step_metadata
+from tether.errors import CheckpointError
+from tether.models.attention import AttentionBackend
+
+
+class ModelShape(Protocol):
+    """The fields of ``tether.models.config.ModelConfig`` the engine reads."""
+
+    vocab_size: int
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    sliding_window: int | None
+    sliding_window_layers: tuple[int, ...]
+
+
+class DecoderModel(Protocol):
+    """What the engine needs from ``tether.models.Decoder`` (an ``nn.Module``)."""
+
+    config: ModelShape
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None, attn: AttentionBackend | None
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]: ...
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True): ...
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One step as the runner sees it: spans in step order and which of them sample."""
+
+    token_ids: list[int]  # [T] the step's tokens, sequence after sequence
+    positions: list[int]  # [T]
+    spans: list[SeqSpan]
+    logits_index: list[int]  # [N] step positions whose logits are needed
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int) -> None:
+        first = next(iter(model.parameters()))
+        self.model = model
+        self.device, self.dtype = first.device, first.dtype
+        self.block_size = block_size
+        cfg = model.config
+        self.sliding_window = cfg.sliding_window
+        self.sliding_window_layers = tuple(cfg.sliding_window_layers) if cfg.sliding_window else ()
+        self.cache = KVCache.allocate(
+            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+            self.dtype, self.device,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def run(self, step: StepInput, block_copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Forward the step; returns logits ``[N, V]`` (fp32) at ``step.logits_index``."""
+        self.cache.copy_blocks(block_copies)
+        meta = build_step_metadata(step.spans, self.block_size, self.sliding_window, self.dtype, self.device)
+        attn = PagedAttention(self.cache, meta, self.sliding_window_layers)
+        input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
+        positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
+        hidden = self.model(input_ids, positions, attn)  # [1, T, H]
+        index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors into the model's parameters in place (same storage); returns how many."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        num_loaded = 0
+        for name, tensor in named_tensors:
+            param = params.get(name)
+            if param is None:
+                raise CheckpointError(f"update_weights: the model has no parameter named {name!r}")
+            if param.shape != tensor.shape:
+                raise CheckpointError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+            num_loaded += 1
+        return num_loaded
+
+
+def num_kv_blocks_for(
+    model: DecoderModel,
+    block_size: int,
+    num_kv_blocks: int | None,
+    kv_cache_bytes: int | None,
+    memory_fraction: float,
+    max_blocks_useful: int,
+) -> int:
+    """The pool size: an explicit count, else a byte budget, else a fraction of free memory.
+
+    Budgets are capped at ``max_blocks_useful`` (every sequence slot at full length), which keeps a
+    CPU engine from claiming gigabytes it can never fill.
+    """
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    first = next(iter(model.parameters()))
+    cfg = model.config
+    per_block = KVCache.bytes_per_block(
+        cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, first.dtype
+    )
+    if kv_cache_bytes is None:
+        kv_cache_bytes = int(free_memory_bytes(first.device) * memory_fraction)
+    budget = kv_cache_bytes
+    return max(1, min(budget // per_block, max_blocks_useful))

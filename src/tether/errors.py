@@ -1,0 +1,28 @@
+"""User-facing errors.
+
+Every error a user can cause with bad input (config, data, checkpoints, reward code) is a
+``TetherError``: the CLI prints its message as one line and exits non-zero, without a traceback.
+The message names what is wrong and where (key, file, line, field).
+"""
+
+from __future__ import annotations
+
+
+class TetherError(Exception):
+    """An error caused by user input; its message is one line meant for the user."""
+
+
+class ConfigError(TetherError):
+    """A bad config key, value, type, or a missing config file."""
+
+
+class DataError(TetherError):
+    """A bad dataset file or row; the message names file, line and field."""
+
+
+class CheckpointError(TetherError):
+    """A checkpoint directory that cannot be read or does not describe a supported model."""
+
+
+class RequestError(TetherError):
+    """A generation request that cannot be served (too long, empty, out-of-vocabulary ids)."""

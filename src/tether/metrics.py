@@ -1,0 +1,75 @@
+"""Run outputs with stable names: ``metrics.jsonl`` (one object per step), ``samples.jsonl``.
+
+Every metric of a run goes through ``MetricsWriter``; later logging backends (TensorBoard, W&B)
+hang off the same ``log`` call. Metric names are public interface; the ones a step always writes:
+
+``step``, ``reward/mean``, ``reward/std``, ``loss/policy``, ``kl/ref``, ``entropy``, ``grad_norm``,
+``response_length/mean``, ``time/step_s``, ``throughput/gen_tokens_per_s``,
+``throughput/train_tokens_per_s`` (plus ``lr``, ``reward/<fn>/mean``, ``reward/errors`` ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from tether.progress import Progress
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf; keep them visible rather than invalid
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        return _jsonable(value.item())
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per step; flushes each line so a killed run keeps every step."""
+
+    def __init__(self, run_dir: Path, progress: Progress | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.samples_path = self.run_dir / "samples.jsonl"
+        self.progress = progress
+        self._metrics = self.metrics_path.open("a")
+        self._samples = self.samples_path.open("a")
+        self.start_time = time.time()
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **_jsonable(metrics)}
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        if self.progress is not None:
+            self.progress.update(step, metrics)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        for sample in samples:
+            self._samples.write(json.dumps({"step": step, **_jsonable(sample)}) + "\n")
+        self._samples.flush()
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._samples.close()
+        if self.progress is not None:
+            self.progress.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Read a ``metrics.jsonl`` back (tests, plots)."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]

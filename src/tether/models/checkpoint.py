@@ -1,0 +1,175 @@
+"""Hugging Face checkpoint I/O: ``config.json`` + ``model.safetensors`` (or shards with an index).
+
+A directory written by ``save_model`` loads with ``AutoModelForCausalLM.from_pretrained`` (4.x and
+5.x), and any Llama / Mistral / Qwen2 / Qwen3 directory saved by transformers loads with
+``load_model``. Every problem with the directory is a one-line ``CheckpointError`` naming the file
+and, where there is one, the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tether.errors import CheckpointError
+from tether.models.config import ModelConfig
+from tether.models.decoder import Decoder
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers older transformers versions saved; not parameters of the model, safe to skip.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """Parse ``path/config.json``."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: file not found")
+    try:
+        hf = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object")
+    return ModelConfig.from_hf(hf, source=str(config_path))
+
+
+def _weight_files(directory: Path) -> tuple[Path, dict[str, Path]]:
+    """(the file that lists the tensors, tensor name -> the safetensors file holding it)."""
+    single = directory / WEIGHTS_FILE
+    index_path = directory / INDEX_FILE
+    if single.is_file():
+        try:
+            with safe_open(str(single), framework="pt") as handle:
+                return single, dict.fromkeys(handle.keys(), single)
+        except Exception as error:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(f"{single}: cannot read safetensors ({type(error).__name__})") from None
+    if not index_path.is_file():
+        raise CheckpointError(f"{directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{index_path}: not a safetensors index ({error!r})") from None
+    files = {name: directory / shard for name, shard in weight_map.items()}
+    for shard in sorted(set(files.values())):
+        if not shard.is_file():
+            raise CheckpointError(f"{index_path}: shard {shard.name} is missing")
+    return index_path, files
+
+
+def _read_tensors(
+    files: dict[str, Path], expected: dict[str, torch.Size], dtype: torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    names_by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        names_by_file.setdefault(file, []).append(name)
+    for file, names in names_by_file.items():
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in names:
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name not in expected:
+                        raise CheckpointError(f"{file}: unexpected tensor {name!r} for this architecture")
+                    tensor = handle.get_tensor(name)
+                    if tensor.shape != expected[name]:
+                        raise CheckpointError(
+                            f"{file}: tensor {name!r} has shape {list(tensor.shape)}, "
+                            f"expected {list(expected[name])}"
+                        )
+                    tensors[name] = tensor.to(device=device, dtype=dtype)
+        except CheckpointError:
+            raise
+        except Exception as error:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(f"{file}: cannot read safetensors ({type(error).__name__})") from None
+    return tensors
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Decoder:
+    """Build a ``Decoder`` from a Hugging Face checkpoint directory, weights cast to ``dtype``."""
+    directory = Path(path)
+    config = read_model_config(directory)
+    listing, files = _weight_files(directory)
+    with torch.device("meta"):  # no random init: every parameter is replaced by a checkpoint tensor
+        model = Decoder(config)
+    expected = {name: param.shape for name, param in model.state_dict().items()}
+    tensors = _read_tensors(files, expected, dtype, device)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # the embedding is the head; a saved copy is redundant
+        expected.pop("lm_head.weight")
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{listing}: missing tensor {missing[0]!r}{more}")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight  # assign=True replaced the shared tensor
+    return model
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    """Split in state-dict order; a tensor larger than the limit gets a shard of its own."""
+    if max_shard_bytes is None:
+        return [tensors]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        num_bytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + num_bytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += num_bytes
+    return shards
+
+
+def _remove_old_weights(directory: Path) -> None:
+    """Saving over a checkpoint must not leave the other layout behind: ``load_model`` (and
+    transformers) would prefer a stale ``model.safetensors`` over a fresh index."""
+    stale = [directory / WEIGHTS_FILE, directory / INDEX_FILE, *directory.glob("model-*-of-*.safetensors")]
+    for file in stale:
+        file.unlink(missing_ok=True)
+
+
+def save_model(model: Decoder, path: str | Path, max_shard_bytes: int | None = None) -> Path:
+    """Write ``config.json`` and safetensors (sharded with an index when over ``max_shard_bytes``)."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: tensor.detach().to("cpu").contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (model.config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    hf = model.config.to_hf()
+    dtype = next(iter(tensors.values())).dtype
+    if dtype in _DTYPE_NAMES:
+        hf["dtype"] = hf["torch_dtype"] = _DTYPE_NAMES[dtype]
+    (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    _remove_old_weights(directory)
+    shards = _shards(tensors, max_shard_bytes)
+    metadata = {"format": "pt"}  # transformers refuses safetensors files without it
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / WEIGHTS_FILE), metadata=metadata)
+        return directory
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, start=1):
+        shard_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / shard_name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, shard_name))
+    total_size = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return directory

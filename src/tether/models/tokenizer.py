@@ -1,0 +1,79 @@
+"""Tokenizers: load a checkpoint's tokenizer, encode prompts, and build a character-level tokenizer.
+
+The character tokenizer is for tests, examples and toy tasks that cannot download anything: every
+printable ASCII character and ``\\n`` is one token, so decoding returns the text exactly. It is an
+ordinary ``tokenizer.json`` + ``tokenizer_config.json`` pair that ``AutoTokenizer`` loads.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from tether.errors import CheckpointError
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3
+DEFAULT_ALPHABET = "".join(ch for ch in string.printable if ch.isprintable() or ch == "\n")
+# One line per message, then the assistant's turn; every character is in the default alphabet.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, then one
+    token per character of ``alphabet`` (default: printable ASCII and ``\\n``, 100 tokens in all)."""
+    chars = list(dict.fromkeys(DEFAULT_ALPHABET if alphabet is None else alphabet))
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # "[\s\S]" (any character, newline included) splits every character into its own word.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # join tokens with nothing in between, not with spaces
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,  # would rewrite " ." as "." and break the round trip
+        model_max_length=1 << 30,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(path)`` from local files only, errors as ``CheckpointError``."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"tokenizer directory {directory} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as error:  # transformers raises OSError, ValueError, KeyError, ... here
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{directory}: cannot load tokenizer ({reason})") from None
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """Token ids for a prompt.
+
+    Chat messages go through the tokenizer's chat template with ``add_generation_prompt=True``; the
+    rendered text already holds any special tokens, so it is encoded without adding more. Plain text is
+    encoded without special tokens and prefixed with bos when the tokenizer has one.
+    """
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        return [tokenizer.bos_token_id, *ids] if tokenizer.bos_token_id is not None else list(ids)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise CheckpointError(f"tokenizer {tokenizer.name_or_path!r} has no chat template for chat prompts")
+    # Render to text, then encode: the return type of tokenize=True differs across transformers versions.
+    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))

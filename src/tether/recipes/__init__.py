@@ -1,0 +1,26 @@
+"""Recipes: what `tether train` runs, chosen by ``recipe`` in the config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tether.config import ExperimentConfig, load_config
+from tether.runs import create_run_dir
+
+
+def _recipes() -> dict[str, Callable[[ExperimentConfig, Path], Any]]:
+    from tether.recipes.grpo import run_grpo
+    from tether.recipes.sft import run_sft
+
+    return {"sft": run_sft, "grpo": run_grpo}
+
+
+def run_train(config_path: str, overrides: list[str], out: str | None = None) -> Any:
+    config = load_config(config_path, overrides)
+    run_dir = create_run_dir(config, out)
+    print(f"run directory: {run_dir}", flush=True)
+    result = _recipes()[config.recipe](config, run_dir)
+    print(f"done: {run_dir}", flush=True)
+    return result

@@ -1,0 +1,58 @@
+"""The SFT recipe: config in, a trained model in ``RUN_DIR/final`` out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tether.builders import build_model_and_tokenizer, build_sft_data, seed_everything
+from tether.config import ExperimentConfig
+from tether.data.cursor import DataCursor
+from tether.data.tokenize import SFTExample, tokenize_sft
+from tether.metrics import MetricsWriter
+from tether.models.checkpoint import save_model
+from tether.progress import make_progress
+from tether.training.optim import build_optimizer, build_scheduler
+from tether.training.sft import SFTTrainer
+
+
+@dataclass(slots=True)
+class SFTResult:
+    run_dir: Path
+    final_dir: Path
+    eval_losses: list[tuple[int, float]]  # (step, held-out loss), first entry before training
+    model: Any
+    tokenizer: Any
+
+
+def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenizer: Any = None) -> SFTResult:
+    seed_everything(config.seed)
+    if model is None:
+        model, tokenizer = build_model_and_tokenizer(config.model, config.init_from, config.seed)
+    train_records, eval_records, _ = build_sft_data(config.data, config.seed)
+    max_len = config.data.max_seq_len
+    train = [tokenize_sft(r, tokenizer, max_len) for r in train_records]
+    held_out = [tokenize_sft(r, tokenizer, max_len) for r in eval_records]
+    t = config.trainer
+    optimizer = build_optimizer(model.parameters(), t.lr, t.weight_decay, t.betas)
+    scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
+                                schedule=t.schedule, min_lr_ratio=t.min_lr_ratio)
+    trainer = SFTTrainer(model, optimizer, scheduler, micro_batch_tokens=t.micro_batch_tokens,
+                         grad_clip=t.grad_clip)
+    cursor: DataCursor[SFTExample] = DataCursor(train, seed=config.seed)
+    eval_losses = [(0, trainer.eval_loss(held_out))] if held_out else []
+    progress = make_progress(config.logging.progress, t.max_steps, "sft", config.logging.log_every)
+    with MetricsWriter(run_dir, progress) as writer:
+        for step in range(1, t.max_steps + 1):
+            metrics: dict[str, Any] = trainer.train_step(cursor.take(t.batch_size))
+            metrics["epoch"] = cursor.state.epoch
+            is_eval_step = held_out and ((t.eval_every and step % t.eval_every == 0) or step == t.max_steps)
+            if is_eval_step:
+                metrics["eval/loss"] = trainer.eval_loss(held_out)
+                eval_losses.append((step, metrics["eval/loss"]))
+            writer.log(step, metrics)
+    final_dir = run_dir / "final"
+    save_model(model, final_dir)
+    tokenizer.save_pretrained(final_dir)
+    return SFTResult(run_dir, final_dir, eval_losses, model, tokenizer)

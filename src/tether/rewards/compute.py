@@ -1,0 +1,101 @@
+"""The one call site for rewards: every score of a run is computed by ``RewardComputer.score``.
+
+A reward function that raises or returns garbage (not a number, NaN, a dict of non-numbers) never
+stops the run: that sample's score from that function is 0.0 and the failure is counted in
+``reward/errors`` and ``reward/<name>/errors``. (A later worker pool with timeouts replaces the
+in-process loop here; callers don't change.)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tether.rewards.loader import RewardFn
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedReward:
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+
+
+@dataclass(slots=True)
+class RewardResult:
+    totals: list[float]  # [N] weighted sum per sample
+    components: dict[str, list[float]]  # name -> [N] unweighted scores (sub-scores as name/key)
+    num_errors: dict[str, int] = field(default_factory=dict)
+    first_error: str | None = None
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "reward/mean": statistics.fmean(self.totals) if self.totals else 0.0,
+            "reward/std": statistics.pstdev(self.totals) if len(self.totals) > 1 else 0.0,
+            "reward/errors": float(sum(self.num_errors.values())),
+        }
+        for name, scores in self.components.items():
+            out[f"reward/{name}/mean"] = statistics.fmean(scores) if scores else 0.0
+        for name, count in self.num_errors.items():
+            out[f"reward/{name}/errors"] = float(count)
+        return out
+
+
+class RewardComputer:
+    def __init__(self, rewards: Sequence[WeightedReward]) -> None:
+        if not rewards:
+            raise ValueError("at least one reward function is required")
+        self.rewards = list(rewards)
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str],
+              fields: Sequence[dict[str, Any]]) -> RewardResult:
+        num = len(completions)
+        result = RewardResult(totals=[0.0] * num, components={})
+        for reward in self.rewards:
+            result.num_errors[reward.name] = 0
+            for i in range(num):
+                score, parts, error = _call(reward.fn, prompts[i], completions[i], fields[i])
+                if error is not None:
+                    result.num_errors[reward.name] += 1
+                    result.first_error = result.first_error or f"{reward.name}: {error}"
+                for key, value in parts.items():
+                    name = reward.name if key == "" else f"{reward.name}/{key}"
+                    result.components.setdefault(name, [0.0] * num)[i] = value
+                result.totals[i] += reward.weight * score
+        return result
+
+
+def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
+          ) -> tuple[float, dict[str, float], str | None]:
+    """Returns (score, named parts, error); a failure scores 0.0."""
+    try:
+        value = fn(prompt, completion, **row)
+    except Exception as exc:  # user code: any failure is counted, never raised
+        return 0.0, {"": 0.0}, f"{type(exc).__name__}: {exc}"
+    if isinstance(value, dict):
+        parts: dict[str, float] = {}
+        for key, item in value.items():
+            number = _as_number(item)
+            if number is None:
+                return 0.0, {"": 0.0}, f"sub-score {key!r} is not a finite number: {item!r}"
+            parts[str(key)] = number
+        return sum(parts.values()), parts, None
+    number = _as_number(value)
+    if number is None:
+        return 0.0, {"": 0.0}, f"returned {value!r}, not a finite number"
+    return number, {"": number}, None
+
+
+def _as_number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, (int, float)) and not (hasattr(value, "item") and callable(value.item)):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None

@@ -1,0 +1,67 @@
+"""Resolve reward functions named in config: a built-in name, ``module:function`` or ``file.py:function``.
+
+A reward function is a plain ``(prompt, completion, **fields) -> float | dict[str, float]``; a
+dict return is a set of named sub-scores that are summed (and logged one by one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tether.errors import ConfigError
+
+RewardFn = Callable[..., Any]
+
+
+def exact_match(prompt: str, completion: str, answer: str = "", **fields: Any) -> float:
+    """1.0 when the completion, stripped, equals the row's ``answer`` field.
+
+    >>> exact_match("2+2=", " 4 ", answer="4")
+    1.0
+    """
+    return float(completion.strip() == str(answer).strip())
+
+
+BUILTIN_REWARDS: Mapping[str, RewardFn] = {"exact_match": exact_match}
+
+
+def resolve_reward(spec: str, builtins: Mapping[str, RewardFn] | None = None) -> RewardFn:
+    """Turn a config string into a callable; a bad name is a one-line ``ConfigError``."""
+    table = {**BUILTIN_REWARDS, **(builtins or {})}
+    if spec in table:
+        return table[spec]
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ConfigError(f"rewards: unknown reward {spec!r}; use one of {sorted(table)}, "
+                          "'module:function' or 'path/file.py:function'")
+    module = _load_file(target, spec) if target.endswith(".py") else _import(target, spec)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"rewards: {target} has no function {name!r} ({spec})")
+    return fn
+
+
+def _import(module_name: str, spec: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except Exception as exc:  # the user's module may fail in any way while importing
+        raise ConfigError(f"rewards: cannot import {module_name!r} ({spec}): {exc}") from None
+
+
+def _load_file(path_text: str, spec: str) -> Any:
+    path = Path(path_text)
+    if not path.is_file():
+        raise ConfigError(f"rewards: file not found: {path} ({spec})")
+    module_spec = importlib.util.spec_from_file_location(f"tether_reward_{path.stem}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"rewards: cannot load {path} ({spec})")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ConfigError(f"rewards: {path} failed to load: {type(exc).__name__}: {exc}") from None
+    return module

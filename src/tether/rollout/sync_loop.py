@@ -1,0 +1,98 @@
+"""The synchronous (on-policy) RL loop: one step reads top to bottom.
+
+    generate -> score -> advantages -> train (loss, optimizer step) -> weight sync
+
+Everything the loop needs is handed in as components; all of its state (step, policy version,
+prompt cursor) lives in ``LoopState`` and the components' own ``state_dict``s, nothing in closures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tether.data.records import PromptRecord
+from tether.engine.types import Completion, Generator, SamplingParams
+from tether.rewards import RewardComputer
+from tether.data.cursor import DataCursor
+from tether.training.batch import RolloutBatch
+from tether.training.policy import PolicyTrainer
+
+
+@dataclass(slots=True)
+class LoopState:
+    step: int = 0
+    policy_version: int = 0
+
+
+@dataclass(slots=True)
+class RLComponents:
+    generator: Generator
+    trainer: PolicyTrainer
+    rewards: RewardComputer
+    prompts: DataCursor[PromptRecord]
+    encode: Callable[[PromptRecord], list[int]]  # prompt record -> token ids
+    decode: Callable[[list[int]], str]  # completion ids -> text for reward functions
+    advantage_fn: Callable[..., torch.Tensor]  # registry entry: (rewards[B], group_size) -> [B]
+    sampling: SamplingParams  # with n = group size
+    prompts_per_step: int
+
+
+def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completion], rewards: torch.Tensor,
+                        advantages: torch.Tensor, group_size: int) -> RolloutBatch:
+    """Pad completions into ``[B, T]`` tensors (B = prompts x group size, grouped consecutively)."""
+    num_cols = max((c.num_tokens for c in completions), default=0) or 1
+    num_rows = len(completions)
+    ids = torch.zeros(num_rows, num_cols, dtype=torch.long)
+    logps = torch.zeros(num_rows, num_cols, dtype=torch.float32)
+    versions = torch.zeros(num_rows, num_cols, dtype=torch.long)
+    mask = torch.zeros(num_rows, num_cols, dtype=torch.bool)
+    for row, c in enumerate(completions):
+        n = c.num_tokens
+        ids[row, :n] = torch.tensor(c.token_ids, dtype=torch.long)
+        logps[row, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
+        versions[row, :n] = torch.tensor(c.versions, dtype=torch.long)
+        mask[row, :n] = True
+    rows_prompt_ids = [prompt_ids[c.prompt_index] for c in completions]
+    return RolloutBatch(rows_prompt_ids, ids, mask, logps, versions, rewards, advantages, group_size)
+
+
+def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One synchronous RL step; returns (metrics, samples)."""
+    start = time.perf_counter()
+    records = c.prompts.take(c.prompts_per_step)
+    prompt_ids = [c.encode(r) for r in records]
+
+    completions = c.generator.generate(prompt_ids, c.sampling)  # generate
+    gen_s = time.perf_counter() - start
+    texts = [c.decode(comp.token_ids) for comp in completions]
+    rows = [records[comp.prompt_index] for comp in completions]
+
+    scored = c.rewards.score([r.prompt for r in rows], texts, [r.fields for r in rows])  # score
+    rewards = torch.tensor(scored.totals, dtype=torch.float32)
+    group_size = c.sampling.n
+    advantages = c.advantage_fn(rewards, group_size)  # advantages
+
+    batch = build_rollout_batch(prompt_ids, completions, rewards, advantages, group_size)
+    train_metrics = c.trainer.train_on(batch)  # loss -> optimizer step
+
+    state.policy_version += 1
+    state.step += 1
+    c.generator.update_weights(c.trainer.model.named_parameters(), state.policy_version)  # weight sync
+
+    num_gen_tokens = sum(comp.num_tokens for comp in completions)
+    lengths = torch.tensor([float(comp.num_tokens) for comp in completions])
+    metrics: dict[str, Any] = {
+        **scored.metrics(), **train_metrics,
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "time/gen_s": gen_s, "time/step_s": time.perf_counter() - start,
+        "throughput/gen_tokens_per_s": num_gen_tokens / max(gen_s, 1e-9),
+        "policy_version": state.policy_version,
+    }
+    samples = [{"prompt": rows[i].prompt, "completion": texts[i], "reward": scored.totals[i]}
+               for i in range(0, len(completions), max(group_size, 1))]
+    return metrics, samples

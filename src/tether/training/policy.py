@@ -1,0 +1,164 @@
+"""The policy-gradient trainer: one ``RolloutBatch`` in, one or more optimizer steps, metrics out.
+
+Every piece of math is looked up by name in ``tether.algorithms`` registries (advantage estimators
+are applied by the loop; this trainer picks the policy loss, the off-policy correction, the KL
+estimator and the loss aggregation); it never branches on a name.
+
+Log-probs of the three policies of decoupled PPO (Hilton et al. 2022):
+* behaviour ``logp_behav``: what the engine reported when it sampled the tokens;
+* proximal ``logp_old``: the trainer's weights before this batch's first optimizer step (computed
+  with no grad when the batch gets several optimizer steps; otherwise it equals the current
+  log-probs detached, which costs nothing);
+* current ``logp``: with grad.
+The engine/trainer mismatch (``mismatch/*``, ``is/*``) is measured on every batch, corrected or not.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tether.algorithms.mismatch import mismatch_metrics
+from tether.algorithms.registry import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES
+from tether.training.batch import RolloutBatch, split_by_tokens
+from tether.training.optim import clip_and_norm
+from tether.training.scoring import SamplingView, completion_logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLossSettings:
+    policy_loss: str = "ppo_clip"
+    loss_agg: str = "token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    epochs_per_batch: int = 1
+    correction: str = "none"
+    correction_cap: float = 2.0
+    micro_batch_tokens: int = 4096
+    grad_clip: float = 1.0
+
+
+def aggregation_weights(agg_fn, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token coefficients c with ``agg_fn(L, mask) == (c * L).sum()``, for the whole batch.
+
+    Every registered aggregation is linear in the per-token losses, so its gradient with respect
+    to them is the coefficient tensor. Computing it once over the full batch lets micro-batches
+    accumulate gradients that equal one big batch exactly, whatever the normaliser.
+    """
+    probe = torch.zeros(mask.shape, dtype=torch.float32, requires_grad=True)
+    (coeffs,) = torch.autograd.grad(agg_fn(probe, mask), probe)
+    return coeffs  # [B, T]
+
+
+class PolicyTrainer:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, settings: PolicyLossSettings,
+                 sampling: SamplingView, ref_model: torch.nn.Module | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.settings = settings
+        self.sampling = sampling
+        self.ref_model = ref_model
+        self.policy_loss = POLICY_LOSSES.get(settings.policy_loss)
+        self.aggregate = AGGREGATIONS.get(settings.loss_agg)
+        self.correct = CORRECTIONS.get(settings.correction)
+        self.kl = KL_ESTIMATORS.get(settings.kl_estimator)
+        if settings.kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a reference model")
+        self.num_optimizer_steps = 0
+
+    def _micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
+        lens = [len(p) + n for p, n in zip(batch.prompt_ids, batch.completion_lens)]
+        return split_by_tokens(lens, self.settings.micro_batch_tokens)
+
+    @torch.no_grad()
+    def _score_all(self, model: torch.nn.Module, batch: RolloutBatch, chunks: list[list[int]]) -> torch.Tensor:
+        out = torch.zeros_like(batch.behaviour_logprobs)  # [B, T]
+        for rows in chunks:
+            logp, _ = self._logprobs(model, batch, rows)
+            out[rows] = logp
+        return out
+
+    def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, rows: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        completions = [batch.completion_ids[r, : int(batch.mask[r].sum())].tolist() for r in rows]
+        return completion_logprobs(model, [batch.prompt_ids[r] for r in rows], completions, self.sampling,
+                                   num_cols=batch.mask.shape[1], with_entropy=model is self.model)
+
+    def train_on(self, batch: RolloutBatch) -> dict[str, float]:
+        """Train on one batch; returns the step's metrics (losses, KL, entropy, grad norm, mismatch)."""
+        start = time.perf_counter()
+        s = self.settings
+        chunks = self._micro_batches(batch)
+        mask = batch.mask
+        weights = aggregation_weights(self.aggregate, mask)  # [B, T]
+        logp_ref = self._score_all(self.ref_model, batch, chunks) if s.kl_coef > 0 else None
+        # The proximal policy: pre-update weights. One epoch never changes them before the loss is
+        # built, so the current log-probs (detached) are exact and the extra forward is skipped.
+        logp_old = self._score_all(self.model, batch, chunks) if s.epochs_per_batch > 1 else None
+        totals: dict[str, float] = {}
+        for _ in range(s.epochs_per_batch):
+            self.optimizer.zero_grad(set_to_none=True)
+            epoch_stats = [self._accumulate(batch, rows, weights, logp_old, logp_ref) for rows in chunks]
+            grad_norm = clip_and_norm(self.model.parameters(), s.grad_clip)
+            self.optimizer.step()
+            self.num_optimizer_steps += 1
+            totals = _merge(epoch_stats)
+            totals["grad_norm"] = grad_norm
+        self.scheduler.step()
+        totals["lr"] = self.optimizer.param_groups[0]["lr"]
+        totals["time/train_s"] = time.perf_counter() - start
+        num_tokens = float(mask.sum()) + sum(len(p) for p in batch.prompt_ids)
+        totals["throughput/train_tokens_per_s"] = num_tokens * s.epochs_per_batch / totals["time/train_s"]
+        return totals
+
+    def _accumulate(self, batch: RolloutBatch, rows: list[int], weights: torch.Tensor,
+                    logp_old_all: torch.Tensor | None, logp_ref_all: torch.Tensor | None) -> dict[str, float]:
+        s = self.settings
+        index = torch.tensor(rows)
+        mask = batch.mask[index]  # [b, T]
+        logp, entropy = self._logprobs(self.model, batch, rows)  # [b, T] with grad
+        logp_old = logp.detach() if logp_old_all is None else logp_old_all[index]
+        logp_behav = batch.behaviour_logprobs[index]
+        correction = self.correct(logp_old, logp_behav, mask, cap=s.correction_cap)
+        is_weights, keep = correction.weights, correction.keep_mask
+        advantages = batch.advantages[index].unsqueeze(-1).expand_as(logp)  # [b, T]
+        loss_tokens, stats = self.policy_loss(
+            logp, logp_old, advantages, keep, logp_behav=logp_behav, clip_low=s.clip_low,
+            clip_high=s.clip_high, is_weights=is_weights)
+        kl_tokens = torch.zeros_like(logp)
+        if logp_ref_all is not None:
+            kl_tokens = torch.where(mask, self.kl(logp, logp_ref_all[index]), 0.0)
+            loss_tokens = loss_tokens + s.kl_coef * kl_tokens
+        w = weights[index]
+        (w * loss_tokens).sum().backward()
+        num_tokens = float(mask.sum())
+        out = mismatch_metrics(logp_old, logp_behav, mask, is_weights=is_weights, keep_mask=keep,
+                               cap=s.correction_cap)
+        out.update({
+            "loss/policy": float((w * loss_tokens).sum() - s.kl_coef * (w * kl_tokens).sum()),
+            "kl/ref": float(kl_tokens.sum()) / max(num_tokens, 1.0),
+            "entropy": float(torch.where(mask, entropy, 0.0).sum()) / max(num_tokens, 1.0),
+            "ppo/clip_frac": float(stats.clip_frac), "ppo/approx_kl": float(stats.approx_kl),
+            "ppo/ratio_mean": float(stats.ratio_mean),
+        })
+        return {"_tokens": num_tokens, **out}
+
+
+def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Token-weighted mean of micro-batch metrics; ``loss/policy`` adds up (weights are global)."""
+    total_tokens = sum(p["_tokens"] for p in parts) or 1.0
+    merged: dict[str, float] = {}
+    for key in parts[0]:
+        if key == "_tokens":
+            continue
+        if key == "loss/policy":
+            merged[key] = sum(p[key] for p in parts)
+        else:
+            merged[key] = sum(p[key] * p["_tokens"] for p in parts) / total_tokens
+    return merged

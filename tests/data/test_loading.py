@@ -1,0 +1,257 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tether.data import PreferenceRecord, PromptRecord, SFTRecord, load_preferences, load_prompts, load_sft
+from tether.errors import ConfigError, DataError
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2="}]
+PROMPT_ROWS = [
+    {"prompt": "37+485=", "answer": "522", "level": 2},
+    {"prompt": "1+1=", "answer": "2", "level": 1},
+    {"prompt": "9-3=", "answer": "6", "level": 1},
+]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)  # so error messages show the relative paths a user would type
+    return tmp_path
+
+
+def all_sources(tmp_path: Path, rows: list[dict]) -> dict[str, object]:
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved))
+    saved_dict = tmp_path / "saved_dict"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(saved_dict))
+    return {
+        "jsonl": write_jsonl(tmp_path / "d.jsonl", rows),
+        "parquet": write_parquet(tmp_path / "d.parquet", rows),
+        "save_to_disk": saved,
+        "save_to_disk_dict": saved_dict,
+        "rows": rows,
+    }
+
+
+def test_prompt_sources_load_the_same_records(tmp_path):
+    expected = [
+        PromptRecord(r["prompt"], {"answer": r["answer"], "level": r["level"]}, i)
+        for i, r in enumerate(PROMPT_ROWS)
+    ]
+    for kind, source in all_sources(tmp_path, PROMPT_ROWS).items():
+        assert load_prompts(source) == expected, kind
+
+
+def test_local_dataset_directory_via_load_dataset(tmp_path):
+    write_jsonl(tmp_path / "local" / "train.jsonl", PROMPT_ROWS)
+    records = load_prompts(tmp_path / "local")
+    assert [r.prompt for r in records] == [r["prompt"] for r in PROMPT_ROWS]
+    assert records[0].fields == {"answer": "522", "level": 2}
+
+
+def test_chat_prompts_through_every_format(tmp_path):
+    rows = [{"prompt": CHAT, "answer": "4"}, {"prompt": CHAT[1:], "answer": "4"}]
+    for kind, source in all_sources(tmp_path, rows).items():
+        records = load_prompts(source)
+        assert records[0].prompt == CHAT and records[0].is_chat, kind
+        assert records[1].prompt == CHAT[1:], kind
+
+
+def test_limit(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", PROMPT_ROWS + ["not an object"])
+    assert [r.index for r in load_prompts(path, limit=2)] == [0, 1]
+    with pytest.raises(ConfigError):
+        load_prompts(path, limit=0)
+
+
+def test_blank_lines_are_skipped_but_line_numbers_stay_true(in_tmp):
+    path = Path("data/train.jsonl")
+    path.parent.mkdir()
+    path.write_text('{"prompt": "a"}\n\n{"prompt": 5}\n')
+    with pytest.raises(DataError, match=r"^data/train.jsonl:3: "):
+        load_prompts(path)
+
+
+def test_split_of_a_dataset_dict(tmp_path):
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(PROMPT_ROWS),
+            "test": datasets.Dataset.from_list(PROMPT_ROWS[:1]),
+        }
+    )
+    dd.save_to_disk(str(tmp_path / "dd"))
+    assert len(load_prompts(tmp_path / "dd", split="test")) == 1
+    with pytest.raises(DataError, match=r"no split 'validation' \(available: train, test\)"):
+        load_prompts(tmp_path / "dd", split="validation")
+
+
+def test_sft_formats(tmp_path):
+    rows = [
+        {"prompt": "1+1=", "completion": "2"},
+        {"messages": CHAT + [{"role": "assistant", "content": "4"}]},
+        {"prompt": CHAT, "completion": "4"},
+        {"text": "just text"},
+    ]
+    assert load_sft(write_jsonl(tmp_path / "s.jsonl", rows)) == [
+        SFTRecord("1+1=", "2", 0),
+        SFTRecord(CHAT, [{"role": "assistant", "content": "4"}], 1),
+        SFTRecord(CHAT, [{"role": "assistant", "content": "4"}], 2),
+        SFTRecord("just text", None, 3),
+    ]
+
+
+def test_sft_parquet_messages(tmp_path):
+    rows = [{"messages": CHAT + [{"role": "assistant", "content": "4"}]}]
+    assert load_sft(write_parquet(tmp_path / "s.parquet", rows)) == [
+        SFTRecord(CHAT, [{"role": "assistant", "content": "4"}], 0)
+    ]
+
+
+def test_preference_formats(tmp_path):
+    reply = lambda text: [{"role": "assistant", "content": text}]
+    rows = [
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+        {"chosen": CHAT + reply("4"), "rejected": CHAT + reply("5")},  # implicit prompt
+    ]
+    assert load_preferences(write_jsonl(tmp_path / "p.jsonl", rows)) == [
+        PreferenceRecord("1+1=", "2", "3", 0),
+        PreferenceRecord(CHAT, reply("4"), reply("5"), 1),
+    ]
+    assert load_preferences(write_parquet(tmp_path / "p.parquet", rows[:1])) == [
+        PreferenceRecord("1+1=", "2", "3", 0)
+    ]
+
+
+# --- the error catalogue: one line, naming file, line/row and field --------------------------------
+
+BAD_PROMPT_ROWS = [
+    ({"prompt": 5}, "field 'prompt' must be a string or a list of chat messages, got int"),
+    ({"answer": "1"}, "missing field 'prompt'"),
+    ({"prompt": None}, "missing field 'prompt'"),
+    ({"prompt": ""}, "field 'prompt' is an empty string"),
+    ({"prompt": []}, "field 'prompt' is an empty list of chat messages"),
+    (
+        {"prompt": [{"role": "bot", "content": "hi"}]},
+        "field 'prompt' message 0 has role 'bot'; expected one of",
+    ),
+    ({"prompt": [{"role": "user"}]}, "field 'prompt' message 0 content must be a string, got null"),
+    (
+        {"prompt": [{"role": "user", "content": "a"}, "hi"]},
+        "field 'prompt' message 1 must be an object, got str",
+    ),
+    (["prompt"], "row must be a JSON object, got list"),
+]
+
+
+@pytest.mark.parametrize(("row", "message"), BAD_PROMPT_ROWS)
+def test_bad_prompt_row_names_file_line_and_field(in_tmp, row, message):
+    write_jsonl(Path("data/train.jsonl"), [PROMPT_ROWS[0]] * 16 + [row])
+    with pytest.raises(DataError) as info:
+        load_prompts("data/train.jsonl")
+    assert str(info.value).startswith(f"data/train.jsonl:17: {message}")
+    assert "\n" not in str(info.value)
+
+
+def test_bad_parquet_row_names_the_row(in_tmp):
+    write_parquet(Path("data/train.parquet"), [{"prompt": "a"}, {"prompt": None}])
+    with pytest.raises(DataError, match=r"^data/train.parquet:row 1: missing field 'prompt'$"):
+        load_prompts("data/train.parquet")
+
+
+def test_bad_saved_dataset_row_names_the_row(in_tmp):
+    datasets.Dataset.from_list([{"prompt": "a"}, {"prompt": ""}]).save_to_disk("ds")
+    with pytest.raises(DataError, match=r"^ds:row 1: field 'prompt' is an empty string$"):
+        load_prompts("ds")
+
+
+def test_invalid_json(in_tmp):
+    Path("data").mkdir()
+    Path("data/train.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c" "answer": 1}\n')
+    with pytest.raises(DataError) as info:
+        load_prompts("data/train.jsonl")
+    # 1-based column of `"answer"`, where the comma is missing
+    assert str(info.value) == "data/train.jsonl:3: invalid JSON (Expecting ',' delimiter at column 16)"
+
+
+def test_missing_and_empty_files(in_tmp):
+    with pytest.raises(DataError, match=r"^data file not found: data/x.jsonl$"):
+        load_prompts("data/x.jsonl")
+    with pytest.raises(DataError, match=r"^data file not found: data/x.parquet$"):
+        load_prompts("data/x.parquet")
+    Path("empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match=r"^empty.jsonl: dataset is empty \(no rows\)$"):
+        load_prompts("empty.jsonl")
+    Path("rows.csv").write_text("prompt\na\n")
+    with pytest.raises(DataError, match="unsupported data file type '.csv'"):
+        load_prompts("rows.csv")
+    Path("broken.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match=r"^broken.parquet: cannot read Parquet file"):
+        load_prompts("broken.parquet")
+
+
+def test_unknown_dataset_name_fails_offline_in_one_line(in_tmp):
+    with pytest.raises(DataError) as info:
+        load_prompts("surely_not_a_cached_dataset_name")
+    assert str(info.value).startswith("cannot load dataset 'surely_not_a_cached_dataset_name' offline")
+    assert "\n" not in str(info.value)
+
+
+BAD_SFT_ROWS = [
+    ({"prompt": "a"}, "missing field 'completion' (SFT rows need"),
+    ({"completion": "a"}, "missing field 'prompt' (SFT rows need"),
+    (
+        {"prompt": "a", "completion": 3},
+        "field 'completion' must be a string or a list of chat messages, got int",
+    ),
+    ({"messages": [{"role": "user", "content": "a"}]}, "field 'messages' must end with an assistant message"),
+    ({"messages": [{"role": "assistant", "content": "a"}]}, "field 'messages' needs at least one message"),
+    ({"messages": "hi"}, "field 'messages' must be a list of chat messages, got str"),
+    (
+        {"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]},
+        "field 'completion' is a list of chat messages but 'prompt' is a string",
+    ),
+]
+
+
+@pytest.mark.parametrize(("row", "message"), BAD_SFT_ROWS)
+def test_bad_sft_rows(in_tmp, row, message):
+    write_jsonl(Path("sft.jsonl"), [row])
+    with pytest.raises(DataError) as info:
+        load_sft("sft.jsonl")
+    assert str(info.value).startswith(f"sft.jsonl:1: {message}")
+
+
+def test_bad_preference_rows(in_tmp):
+    write_jsonl(Path("p.jsonl"), [{"prompt": "a", "chosen": "b"}])
+    with pytest.raises(DataError, match=r"^p.jsonl:1: missing field 'rejected'$"):
+        load_preferences("p.jsonl")
+    user = {"role": "user", "content": "x"}
+    write_jsonl(
+        Path("p.jsonl"),
+        [
+            {
+                "chosen": [user, {"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "assistant", "content": "b"}],
+            }
+        ],
+    )
+    with pytest.raises(DataError, match=r"^p.jsonl:1: field 'rejected' needs at least one message"):
+        load_preferences("p.jsonl")

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import pytest
+
+from tether.data import (
+    PreferenceRecord,
+    PromptRecord,
+    SFTRecord,
+    tokenize_preference,
+    tokenize_prompt,
+    tokenize_sft,
+)
+from tether.errors import DataError
+
+BOS, EOS = 1, 2
+
+
+def masked_text(tokenizer, example) -> str:
+    return tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
+
+
+def test_plain_text_layout_is_bos_prompt_completion_eos(char_tokenizer):
+    example = tokenize_sft(SFTRecord("37+485=", "522", index=4), char_tokenizer, max_len=64)
+    chars = lambda s: char_tokenizer.encode(s, add_special_tokens=False)
+    assert example.input_ids == [BOS] + chars("37+485=") + chars("522") + [EOS]
+    assert example.loss_mask == [False] * 8 + [True] * 4
+    assert masked_text(char_tokenizer, example) == "522<eos>"
+    assert example.num_loss_tokens == 4 and example.index == 4
+
+
+def test_prompt_ids_are_the_prefix_of_the_sft_example(char_tokenizer):
+    record = SFTRecord("12-5=", "7")
+    prompt_ids = tokenize_prompt(PromptRecord("12-5="), char_tokenizer)
+    example = tokenize_sft(record, char_tokenizer, max_len=64)
+    assert example.input_ids[: len(prompt_ids)] == prompt_ids
+    assert not any(example.loss_mask[: len(prompt_ids)])
+    assert all(example.loss_mask[len(prompt_ids) :])
+
+
+def test_chat_prompt_matches_transformers_apply_chat_template(char_tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2="}]
+    expected = char_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert tokenize_prompt(PromptRecord(messages), char_tokenizer) == expected["input_ids"]
+
+
+def test_chat_mask_covers_exactly_the_assistant_reply_and_eos(char_tokenizer):
+    prompt = [{"role": "user", "content": "2+2="}]
+    record = SFTRecord(prompt, [{"role": "assistant", "content": "4"}])
+    example = tokenize_sft(record, char_tokenizer, max_len=64)
+    # The template writes "<eos>\n" after each turn; the newline after eos is never sampled.
+    assert masked_text(char_tokenizer, example) == "4<eos>"
+    assert example.input_ids[-1] == EOS
+    full = char_tokenizer.apply_chat_template(prompt + record.completion, tokenize=False)
+    assert char_tokenizer.decode(example.input_ids) + "\n" == full
+
+
+def test_chat_reply_without_eos_in_template_gets_eos_appended(char_tokenizer):
+    tokenizer = char_tokenizer.__class__(tokenizer_object=char_tokenizer.backend_tokenizer)
+    tokenizer.eos_token, tokenizer.bos_token = "<eos>", "<bos>"
+    tokenizer.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    example = tokenize_sft(SFTRecord([{"role": "user", "content": "hi"}], "yo"), tokenizer, max_len=64)
+    assert masked_text(tokenizer, example) == "yo<eos>"
+
+
+def test_text_record_trains_on_every_token_after_the_first(char_tokenizer):
+    example = tokenize_sft(SFTRecord("hello", None), char_tokenizer, max_len=64)
+    assert char_tokenizer.decode(example.input_ids) == "<bos>hello<eos>"
+    assert example.loss_mask == [False] + [True] * 6
+
+
+def test_long_completion_is_cut_on_the_right_without_eos(char_tokenizer):
+    example = tokenize_sft(SFTRecord("ab=", "0123456789"), char_tokenizer, max_len=8)
+    assert len(example.input_ids) == 8
+    assert masked_text(char_tokenizer, example) == "0123"
+    assert EOS not in example.input_ids
+
+
+def test_prompt_longer_than_max_len_is_a_data_error(char_tokenizer):
+    with pytest.raises(DataError, match=r"^example 3: prompt is 11 tokens, .*max_len=10$"):
+        tokenize_sft(SFTRecord("0123456789", "x", index=3), char_tokenizer, max_len=10)
+
+
+def test_chat_record_needs_a_chat_template(char_tokenizer):
+    tokenizer = char_tokenizer.__class__(tokenizer_object=char_tokenizer.backend_tokenizer)
+    tokenizer.eos_token = "<eos>"
+    with pytest.raises(DataError, match="chat_template"):
+        tokenize_prompt(PromptRecord([{"role": "user", "content": "hi"}]), tokenizer)
+
+
+def test_preference_pair_shares_the_prompt(char_tokenizer):
+    chosen, rejected = tokenize_preference(PreferenceRecord("1+1=", "2", "3"), char_tokenizer, max_len=32)
+    assert chosen.input_ids[:-2] == rejected.input_ids[:-2]
+    assert masked_text(char_tokenizer, chosen) == "2<eos>"
+    assert masked_text(char_tokenizer, rejected) == "3<eos>"
+
+
+def test_prompt_convention_matches_the_models_tokenizer_helper():
+    # The engine encodes prompts with tether.models.tokenizer.encode_prompt; SFT must train on the same ids.
+    tokenizer_module = pytest.importorskip("tether.models.tokenizer")
+    tokenizer = tokenizer_module.build_char_tokenizer()
+    for prompt in ["37+485=", [{"role": "system", "content": "add"}, {"role": "user", "content": "1+2="}]]:
+        record = SFTRecord(prompt, "3")
+        expected = tokenizer_module.encode_prompt(tokenizer, prompt)
+        assert tokenize_prompt(record, tokenizer) == expected
+        example = tokenize_sft(record, tokenizer, max_len=128)
+        assert example.input_ids[: len(expected)] == expected
+        assert example.input_ids[-1] == tokenizer.eos_token_id
+        assert not any(example.loss_mask[: len(expected)]) and all(example.loss_mask[len(expected) :])

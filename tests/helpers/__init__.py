@@ -1,0 +1,1 @@
+"""Test helpers shared across the suite (tiny Hugging Face checkpoints)."""

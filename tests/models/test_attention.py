@@ -1,0 +1,140 @@
+"""Attention backends: padded, packed and cached attention all equal plain per-sequence forwards."""
+
+import pytest
+import torch
+
+from helpers.hf_tiny import make_hf_checkpoint
+from tether.models import CausalAttention, ContiguousKVCache, PackedAttention, load_model
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_hf_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", with_tokenizer=False, num_kv_heads=1)
+    return load_model(path).eval()
+
+
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory):
+    path = make_hf_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", with_tokenizer=False,
+                              sliding_window=3)  # fmt: skip
+    return load_model(path).eval()
+
+
+def random_ids(*lengths: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 100, (length,), generator=generator) for length in lengths]
+
+
+@torch.no_grad()
+def logits_alone(model, ids: torch.Tensor) -> torch.Tensor:
+    return model.compute_logits(model(ids[None]))[0]  # [T, vocab]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@torch.no_grad()
+def test_padded_batch_equals_unpadded_rows(model, side):
+    rows = random_ids(5, 9, 2)
+    width = max(len(row) for row in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    is_real = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, row in enumerate(rows):
+        span = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        input_ids[b, span], is_real[b, span] = row, True
+    positions = (is_real.long().cumsum(-1) - 1).clamp(min=0)  # 0 on each row's first real token
+    logits = model.compute_logits(model(input_ids, positions, attn=CausalAttention(key_padding_mask=is_real)))
+    assert torch.isfinite(logits).all()  # padded rows too: no NaN leaks out of all-masked queries
+    for b, row in enumerate(rows):
+        torch.testing.assert_close(logits[b][is_real[b]], logits_alone(model, row), atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_packed_row_equals_separate_sequences(model):
+    rows = random_ids(4, 7, 1, 5, seed=1)
+    packed = PackedAttention(seq_lens=torch.tensor([len(row) for row in rows]))
+    assert packed.positions().tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 0, 0, 1, 2, 3, 4]]
+    logits = model.compute_logits(model(torch.cat(rows)[None], packed.positions(), attn=packed))[0]
+    expected = torch.cat([logits_alone(model, row) for row in rows])
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_packed_gradients_equal_separate_sequences(model):
+    rows = random_ids(3, 6, seed=2)
+    packed = PackedAttention([3, 6])
+    model.zero_grad()
+    hidden = model(torch.cat(rows)[None], packed.positions(), attn=packed)
+    model.compute_logits(hidden).logsumexp(-1).sum().backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for row in rows:
+        model.compute_logits(model(row[None])).logsumexp(-1).sum().backward()
+    for packed_grad, param in zip(packed_grads, model.parameters()):
+        torch.testing.assert_close(packed_grad, param.grad, atol=1e-4, rtol=1e-4)
+    model.zero_grad()
+
+
+def test_packed_rejects_a_row_of_the_wrong_length(model):
+    with pytest.raises(ValueError, match="packed q"):
+        model(torch.ones(1, 5, dtype=torch.long), attn=PackedAttention([2, 2]))
+
+
+@torch.no_grad()
+def prefill_and_decode(model, prompts: list[torch.Tensor], num_steps: int, cache: ContiguousKVCache):
+    """Greedy generation through the cache; returns the per-row logits of every step [B, steps, V]."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    is_real = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for b, prompt in enumerate(prompts):
+        input_ids[b, width - len(prompt) :], is_real[b, width - len(prompt) :] = prompt, True
+    positions = (is_real.long().cumsum(-1) - 1).clamp(min=0)
+    cache.set_padding(is_real)
+    hidden = model(input_ids, positions, attn=cache)
+    step_logits = [model.compute_logits(hidden[:, -1])]
+    next_positions = positions[:, -1:] + 1
+    for _ in range(num_steps - 1):
+        next_ids = step_logits[-1].argmax(-1, keepdim=True)  # [B, 1]
+        hidden = model(next_ids, next_positions, attn=cache)
+        step_logits.append(model.compute_logits(hidden[:, -1]))
+        next_positions = next_positions + 1
+    return torch.stack(step_logits, dim=1)
+
+
+@pytest.mark.parametrize("fixture", ["model", "windowed_model"])
+@torch.no_grad()
+def test_cache_prefill_then_decode_equals_full_forward(request, fixture):
+    model = request.getfixturevalue(fixture)
+    prompts = random_ids(3, 6, 1, seed=3)
+    num_steps = 5
+    cache = ContiguousKVCache.for_model(model.config, batch=3, max_len=6 + num_steps)
+    if fixture == "windowed_model":
+        assert cache.sliding_window == 3
+    step_logits = prefill_and_decode(model, prompts, num_steps, cache)
+    assert cache.num_filled == 6 + num_steps - 1
+    for b, prompt in enumerate(prompts):
+        sequence = torch.cat([prompt, step_logits[b, :-1].argmax(-1)])  # prompt + generated tokens
+        expected = logits_alone(model, sequence)[len(prompt) - 1 :]
+        torch.testing.assert_close(step_logits[b], expected, atol=ATOL, rtol=0)
+
+
+def test_cache_overflow_and_reset(model):
+    cache = ContiguousKVCache.for_model(model.config, batch=1, max_len=4)
+    with torch.no_grad():
+        model(torch.ones(1, 4, dtype=torch.long), attn=cache)
+        with pytest.raises(ValueError, match="overflow"):
+            model(torch.ones(1, 1, dtype=torch.long), attn=cache)
+        cache.reset()
+        assert cache.num_filled == 0
+        model(torch.ones(1, 2, dtype=torch.long), attn=cache)
+    assert cache.num_filled == 2 and cache.is_real[0].tolist() == [True, True, False, False]
+
+
+@torch.no_grad()
+def test_sliding_window_mask_by_hand():
+    # one head, D=1, q=k=1: every visible key gets equal weight, so the output is the mean of visible v
+    q = torch.ones(1, 5, 1, 1)
+    v = torch.arange(5, dtype=torch.float32).view(1, 5, 1, 1)
+    out = CausalAttention(sliding_window=2).attend(0, q, q, v)
+    assert out.flatten().tolist() == [0.0, 0.5, 1.5, 2.5, 3.5]
+    unwindowed_layer = CausalAttention(sliding_window=2, sliding_window_layers=(1,)).attend(0, q, q, v)
+    assert unwindowed_layer.flatten().tolist() == [0.0, 0.5, 1.0, 1.5, 2.0]

@@ -1,0 +1,163 @@
+"""Checkpoint I/O: tether writes what transformers reads, reads what transformers writes, and says
+in one line what is wrong with a bad directory."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from helpers.hf_tiny import make_hf_checkpoint
+from tether.errors import CheckpointError
+from tether.models import load_model, read_model_config, save_model
+
+ATOL = 1e-4
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def tensor_names(directory) -> set[str]:
+    names = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            names |= set(handle.keys())
+    return names
+
+
+@torch.no_grad()
+def logits_of(model, input_ids):
+    if hasattr(model, "compute_logits"):
+        return model.compute_logits(model(input_ids))
+    return model(input_ids).logits
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs"),
+    [("qwen2", dict(tie=True)), ("llama", dict(bias=True, rope_scaling=YARN)), ("qwen3", dict()),
+     ("mistral", dict(sliding_window=4))],
+)  # fmt: skip
+def test_tether_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path, family, kwargs):
+    source = make_hf_checkpoint(tmp_path / "hf", family, with_tokenizer=False, **kwargs)
+    model = load_model(source)
+    with torch.no_grad():
+        for param in model.parameters():  # make sure we save our weights, not copy the source files
+            param.add_(0.01)
+    saved = save_model(model, tmp_path / "ours")
+    hf = AutoModelForCausalLM.from_pretrained(saved, attn_implementation="eager").eval()
+    input_ids = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits_of(hf, input_ids), logits_of(model, input_ids), atol=ATOL, rtol=0)
+    assert read_model_config(saved) == model.config
+    if kwargs.get("tie"):
+        assert "lm_head.weight" not in tensor_names(saved)  # tied head not saved twice
+
+
+def test_sharded_checkpoint_round_trips_through_tether_and_transformers(tmp_path):
+    source = make_hf_checkpoint(tmp_path / "hf", "qwen3", with_tokenizer=False)
+    model = load_model(source)
+    saved = save_model(model, tmp_path / "sharded", max_shard_bytes=40_000)
+    shards = sorted(saved.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (saved / "model.safetensors").exists()
+    index = json.loads((saved / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+    assert {shard.name for shard in shards} == set(index["weight_map"].values())
+    for shard in shards:  # only a tensor above the limit may make its shard larger
+        tensors = load_file(str(shard))
+        assert len(tensors) == 1 or sum(t.numel() * 4 for t in tensors.values()) <= 40_000
+    input_ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(1))
+    expected = logits_of(model, input_ids)
+    torch.testing.assert_close(logits_of(load_model(saved), input_ids), expected, atol=0, rtol=0)
+    hf = AutoModelForCausalLM.from_pretrained(saved, attn_implementation="eager").eval()
+    torch.testing.assert_close(logits_of(hf, input_ids), expected, atol=ATOL, rtol=0)
+    save_model(model, saved)  # re-saving unsharded over it must not leave stale shards behind
+    assert sorted(p.name for p in saved.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (saved / "model.safetensors.index.json").exists()
+
+
+def test_transformers_sharded_checkpoint_loads(tmp_path):
+    source = make_hf_checkpoint(tmp_path / "hf", "llama", with_tokenizer=False)
+    hf = AutoModelForCausalLM.from_pretrained(source).eval()
+    hf.save_pretrained(tmp_path / "hf_sharded", max_shard_size="30KB")
+    assert (tmp_path / "hf_sharded" / "model.safetensors.index.json").exists()
+    input_ids = torch.randint(0, 100, (1, 8))
+    model = load_model(tmp_path / "hf_sharded")
+    torch.testing.assert_close(logits_of(model, input_ids), logits_of(hf, input_ids), atol=ATOL, rtol=0)
+
+
+def test_load_casts_to_the_requested_dtype_and_save_records_it(tmp_path):
+    source = make_hf_checkpoint(tmp_path / "hf", "qwen2", with_tokenizer=False, tie=True)
+    model = load_model(source, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    saved = save_model(model, tmp_path / "bf16")
+    assert json.loads((saved / "config.json").read_text())["dtype"] == "bfloat16"
+    assert load_file(str(saved / "model.safetensors"))["model.norm.weight"].dtype == torch.bfloat16
+
+
+def assert_one_line_error(path, *needles):
+    with pytest.raises(CheckpointError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    return make_hf_checkpoint(tmp_path / "ckpt", "qwen2", with_tokenizer=False)
+
+
+def test_missing_directory_or_config(tmp_path, checkpoint):
+    assert_one_line_error(tmp_path / "nope", "nope", "does not exist")
+    (checkpoint / "config.json").unlink()
+    assert_one_line_error(checkpoint, "config.json", "not found")
+
+
+def test_bad_config_json(checkpoint):
+    (checkpoint / "config.json").write_text("{not json")
+    assert_one_line_error(checkpoint, "config.json", "not valid JSON")
+
+
+def test_unsupported_model_type(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    assert_one_line_error(checkpoint, "config.json", "'gemma'")
+
+
+def test_missing_weights_file(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+    assert_one_line_error(checkpoint, "model.safetensors", "found")
+
+
+def rewrite_weights(checkpoint, edit):
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_tensor(checkpoint):
+    rewrite_weights(checkpoint, lambda t: t.pop("model.layers.1.self_attn.q_proj.bias"))
+    name = "'model.layers.1.self_attn.q_proj.bias'"
+    assert_one_line_error(checkpoint, "model.safetensors", name, "missing")
+
+
+def test_misshaped_tensor(checkpoint):
+    rewrite_weights(checkpoint, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
+    assert_one_line_error(checkpoint, "model.safetensors", "'model.norm.weight'", "[3]", "[64]")
+
+
+def test_unexpected_tensor(checkpoint):
+    rewrite_weights(checkpoint, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.ones(64)}))
+    assert_one_line_error(checkpoint, "model.safetensors", "'model.layers.0.self_attn.o_proj.bias'")
+
+
+def test_corrupt_safetensors(checkpoint):
+    (checkpoint / "model.safetensors").write_bytes(b"\x00garbage")
+    assert_one_line_error(checkpoint, "model.safetensors", "cannot read")
+
+
+def test_missing_shard(tmp_path, checkpoint):
+    saved = save_model(load_model(checkpoint), tmp_path / "sharded", max_shard_bytes=40_000)
+    next(iter(saved.glob("model-*-of-*.safetensors"))).unlink()
+    assert_one_line_error(saved, "model.safetensors.index.json", "is missing")
