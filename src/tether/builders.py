@@ -13,10 +13,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tether.config.schema import DataSection, ExperimentConfig, ModelSection, ScratchModelConfig
+from tether.config.schema import DataSection, EngineSection, ExperimentConfig, ModelSection, ScratchModelConfig
 from tether.data.loading import load_prompts, load_sft
 from tether.data.records import PromptRecord, SFTRecord
 from tether.data.tasks import Task, get_task
+from tether.engine.config import EngineConfig
+from tether.engine.engine import LLMEngine
 from tether.errors import ConfigError
 from tether.models.checkpoint import load_model
 from tether.models.config import ModelConfig
@@ -115,10 +117,14 @@ def build_rewards(config: ExperimentConfig, task: Task | None) -> RewardComputer
                            for spec in config.rewards])
 
 
-def build_generator(model: torch.nn.Module, tokenizer: Any) -> Any:
-    """The rollout generator for a policy (its own copy of the weights, synced by ``update_weights``)."""
-    from tether.engine.static import StaticBatchGenerator
-
+def build_generator(model: torch.nn.Module, tokenizer: Any, engine: EngineSection | None = None) -> LLMEngine:
+    """The rollout engine for a policy: its own copy of the weights, synced by ``update_weights``."""
+    e = engine or EngineSection()
     eos = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
-    return StaticBatchGenerator(copy.deepcopy(model).eval(), eos_token_ids=eos,
-                                pad_token_id=tokenizer.pad_token_id or 0)
+    config = EngineConfig(
+        block_size=e.block_size, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+        kv_cache_bytes=e.kv_cache_bytes, kv_cache_memory_fraction=e.kv_cache_memory_fraction,
+        max_model_len=e.max_model_len, enable_prefix_caching=e.enable_prefix_caching,
+        enable_chunked_prefill=e.enable_chunked_prefill, recompute_kv_on_update=e.recompute_kv_on_update,
+        stop_token_ids=eos)
+    return LLMEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer, config=config)

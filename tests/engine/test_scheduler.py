@@ -102,8 +102,9 @@ def test_full_pool_preempts_the_newest_and_resumes_it_later():
     finish_step(scheduler, out)
     first.status = SequenceStatus.FINISHED
     scheduler.remove_finished()
-    out = scheduler.schedule()  # recompute all five tokens of the preempted sequence
-    assert [(i.seq.seq_id, i.num_new_tokens) for i in out.scheduled] == [(1, 5)]
+    out = scheduler.schedule()  # recompute: its first block is still cached, the other 3 tokens are not
+    assert [(i.seq.seq_id, i.num_new_tokens) for i in out.scheduled] == [(1, 3)]
+    assert out.num_prefix_hit_tokens == 2
 
 
 def test_lone_sequence_that_cannot_grow_preempts_itself_without_crashing():

@@ -91,12 +91,11 @@ def prefill_and_decode(model, prompts: list[torch.Tensor], num_steps: int, cache
     cache.set_padding(is_real)
     hidden = model(input_ids, positions, attn=cache)
     step_logits = [model.compute_logits(hidden[:, -1])]
-    next_positions = positions[:, -1:] + 1
-    for _ in range(num_steps - 1):
+    for step in range(num_steps - 1):
         next_ids = step_logits[-1].argmax(-1, keepdim=True)  # [B, 1]
-        hidden = model(next_ids, next_positions, attn=cache)
+        assert cache.next_positions().tolist() == (positions[:, -1:] + 1 + step).tolist()
+        hidden = model(next_ids, cache.next_positions(), attn=cache)
         step_logits.append(model.compute_logits(hidden[:, -1]))
-        next_positions = next_positions + 1
     return torch.stack(step_logits, dim=1)
 
 
@@ -138,3 +137,18 @@ def test_sliding_window_mask_by_hand():
     assert out.flatten().tolist() == [0.0, 0.5, 1.5, 2.5, 3.5]
     unwindowed_layer = CausalAttention(sliding_window=2, sliding_window_layers=(1,)).attend(0, q, q, v)
     assert unwindowed_layer.flatten().tolist() == [0.0, 0.5, 1.0, 1.5, 2.0]
+
+
+def test_padded_queries_keep_one_visible_key():
+    # Some SDPA kernels return NaN for a query row with every key masked, and NaN values at padded
+    # slots would then leak into real rows through 0 * NaN: each padded query must see its own slot.
+    is_real = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    mask = CausalAttention(key_padding_mask=is_real).mask_for(4, torch.device("cpu"))
+    assert mask.shape == (2, 1, 4, 4)
+    assert mask.any(-1).all()
+    assert mask[0, 0].tolist() == [
+        [True, False, False, False],
+        [False, True, False, False],
+        [False, False, True, False],
+        [False, False, True, True],
+    ]

@@ -77,14 +77,17 @@ def process_logits(
     is_scalar_temperature = not isinstance(temperature, torch.Tensor)
     if is_scalar_temperature and temperature <= 0:
         return torch.log_softmax(logits, dim=-1)
-    temp = _as_row_param(temperature, logits)  # [..., 1]
-    is_greedy = temp <= 0
-    scaled = logits / torch.where(is_greedy, torch.ones_like(temp), temp)  # [..., V]
+    if is_scalar_temperature and temperature == 1.0:
+        scaled = logits  # x / 1.0 == x exactly: skip a full [..., V] pass (the common RL setting)
+    else:
+        temp = _as_row_param(temperature, logits)  # [..., 1]
+        scaled = logits / torch.where(temp <= 0, torch.ones_like(temp), temp)  # [..., V]
     if not _is_noop_filter(top_k, top_p, min_p):
         scaled = scaled.masked_fill(~_keep_mask(scaled, top_k, top_p, min_p), float("-inf"))
     processed = torch.log_softmax(scaled, dim=-1)  # [..., V]
     if is_scalar_temperature:
         return processed  # no greedy row: skip a second [..., V] softmax
+    is_greedy = _as_row_param(temperature, logits) <= 0  # [..., 1]
     return torch.where(is_greedy, torch.log_softmax(logits, dim=-1), processed)
 
 

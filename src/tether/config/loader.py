@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,35 @@ from pydantic import BaseModel, ValidationError
 
 from tether.config.schema import ExperimentConfig
 from tether.errors import ConfigError
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 floats (``3e-4`` is a number, not a string) and duplicate keys as errors."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
@@ -32,7 +62,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _yaml_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
@@ -51,7 +83,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.lr=3e-4")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
@@ -79,6 +111,8 @@ def validate(values: dict[str, Any], source: str = "config") -> ExperimentConfig
 
 def describe_error(err: dict[str, Any]) -> str:
     loc = [str(p) for p in err["loc"]]
+    if len(loc) > 1 and loc[-1] in _UNION_TAGS:  # pydantic names the union member it tried last
+        loc = loc[:-1]
     key = ".".join(loc)
     kind = err["type"]
     given = err.get("input")
@@ -101,6 +135,7 @@ def describe_error(err: dict[str, Any]) -> str:
     return f"{key or 'config'}: {message}, got {_short(given)}"
 
 
+_UNION_TAGS = ("int", "float", "str", "bool")
 _EXPECTED = {
     "float_parsing": "a number", "float_type": "a number", "int_parsing": "an integer",
     "int_type": "an integer", "int_from_float": "an integer", "bool_parsing": "true or false",

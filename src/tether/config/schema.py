@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tether.algorithms import ADVANTAGES, AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
 
 
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, assignments are re-validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ScratchModelConfig(Section):
@@ -65,7 +67,12 @@ class DataSection(Section):
 
 class AlgorithmSection(Section):
     advantage: str = Field("grpo", description="Advantage estimator, by registry name.")
-    policy_loss: str = Field("ppo_clip", description="Policy loss, by registry name.")
+    policy_loss: str = Field("auto", description="Policy loss, by registry name; `auto`: ppo_clip when "
+                             "`rollout.mode=sync`, decoupled_ppo when async.")
+    proximal: Literal["recompute", "loglinear", "bypass"] = Field(
+        "recompute", description="Proximal log-probs of decoupled PPO: `recompute` (trainer weights before "
+        "the update; free with one epoch), `loglinear` (interpolated by version, no forward), `bypass` "
+        "(the engine's behaviour log-probs: plain PPO over them).")
     loss_agg: str = Field("token_mean", description="How per-token losses become a scalar, by name.")
     clip_low: float = Field(0.2, ge=0, description="PPO clip range below 1 (ratio >= 1 - clip_low).")
     clip_high: float = Field(0.2, ge=0, description="PPO clip range above 1 (ratio <= 1 + clip_high).")
@@ -76,6 +83,17 @@ class AlgorithmSection(Section):
                             "mis_seq, geo_mask, none), by registry name.")
     correction_cap: float = Field(2.0, gt=0, description="Cap (truncation or mask threshold) of the "
                                   "importance weight used by the correction.")
+
+    @field_validator("advantage", "policy_loss", "loss_agg", "correction")
+    @classmethod
+    def _registered(cls, name: str, info) -> str:
+        if info.field_name == "policy_loss" and name == "auto":
+            return name
+        registry = {"advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES, "loss_agg": AGGREGATIONS,
+                    "correction": CORRECTIONS}[info.field_name]
+        if name not in registry:
+            raise ValueError(f"must be one of {', '.join(registry.names())}")
+        return name
 
 
 class RolloutSection(Section):
@@ -88,7 +106,38 @@ class RolloutSection(Section):
     mode: Literal["sync", "async"] = Field("sync", description="Synchronous (on-policy) or "
                                            "asynchronous generation.")
     max_staleness: int = Field(0, ge=0, description="Most policy versions a consumed sample may lag "
-                               "the trainer (S); 0 is on-policy.")
+                               "the trainer (S); 0 is on-policy. Lag = trainer version at the step that "
+                               "consumes a sample - version of its oldest token.")
+    partial_rollouts: bool | None = Field(
+        None, description="Weight updates reach sequences in flight, which continue under the new weights "
+        "(each token stamped with its version). Off: updates wait until the groups in flight finish. "
+        "Empty: on when max_staleness > 0 or oversample > 0.")
+    oversample: int = Field(0, ge=0, description="Extra groups started beyond what a batch needs: a batch "
+                            "closes on the fastest groups (early cut); the rest run on into the next batch "
+                            "(async) or are aborted and their prompts re-issued first (sync).")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (no GRPO "
+                                   "signal) and generate replacements (DAPO's dynamic sampling).")
+    generator_threads: int = Field(0, ge=0, description="torch CPU threads of the generator process in "
+                                   "async mode (0: half of the cores).")
+    weight_bucket_mb: float = Field(32.0, gt=0, description="Size of one shared-memory bucket when "
+                                    "shipping weights to the generator process (async mode).")
+
+
+class EngineSection(Section):
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    max_num_seqs: int = Field(256, ge=1, description="Sequences (samples) decoding at once.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Per-step token budget (prefill "
+                                        "chunks + decodes).")
+    kv_cache_bytes: int | None = Field(None, ge=1, description="KV pool size in bytes; empty: "
+                                       "`kv_cache_memory_fraction` of free memory.")
+    kv_cache_memory_fraction: float = Field(0.3, gt=0, le=1, description="Share of free memory for the "
+                                            "KV pool when `kv_cache_bytes` is empty.")
+    max_model_len: int | None = Field(None, ge=2, description="Prompt + completion cap; empty: the "
+                                      "model's context length.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes (hash chain).")
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+    recompute_kv_on_update: bool = Field(False, description="On a weight update, recompute the KV of "
+                                         "sequences in flight instead of keeping it.")
 
 
 class TrainerSection(Section):
@@ -131,6 +180,7 @@ class ExperimentConfig(Section):
     data: DataSection = Field(default_factory=DataSection, description="Training and held-out data.")
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="RL math.")
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Generation.")
+    engine: EngineSection = Field(default_factory=EngineSection, description="The rollout engine.")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="Optimisation.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Outputs.")
     rewards: list[RewardSpec] = Field(

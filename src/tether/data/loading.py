@@ -164,8 +164,12 @@ def read_rows(source: Source, *, split: str = "train") -> Iterator[Row]:
 def _read_jsonl(path: Path) -> Iterator[Row]:
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{line_number}: not valid UTF-8 (byte {exc.start} of the line)") from None
             if not line.strip():
                 continue
             where = f"{path}:{line_number}"

@@ -52,6 +52,7 @@ class Problem:
     prompt: str
     answer: str
     wrong_answer: str  # plausible but incorrect; the rejected side of a preference pair
+    demonstration: str | None = None  # what the SFT teacher writes, when it is not the answer
 
 
 def split_of(prompt: str, heldout_fraction: float) -> Split:
@@ -113,7 +114,7 @@ class _ProblemTask:
 
     def sft(self, n: int, seed: int, split: Split = "train") -> list[SFTRecord]:
         problems = self._problems(n, seed, split)
-        return [SFTRecord(p.prompt, p.answer, i) for i, p in enumerate(problems)]
+        return [SFTRecord(p.prompt, p.demonstration or p.answer, i) for i, p in enumerate(problems)]
 
     def preferences(self, n: int, seed: int, split: Split = "train") -> list[PreferenceRecord]:
         problems = self._problems(n, seed, split)
@@ -141,6 +142,10 @@ class ArithTask(_ProblemTask):
     num_terms: int = 2
     allow_negative: bool = False
     heldout_fraction: float = 0.1
+    # A sloppy SFT teacher: with this probability its demonstration of a sum that needs a carry
+    # forgets the carries ("58+67=" -> "15"). Prompts, answers and rewards stay exact; only the SFT
+    # form imitates the teacher, which is what the demo's RL stage has to correct.
+    teacher_carry_error: float = 0.0
     name: str = "arith"
 
     def __post_init__(self) -> None:
@@ -153,6 +158,8 @@ class ArithTask(_ProblemTask):
         if self.num_terms < 2:
             raise ConfigError(f"arith num_terms must be >= 2, got {self.num_terms}")
         _check_fraction(self.heldout_fraction)
+        if not 0.0 <= self.teacher_carry_error <= 1.0:
+            raise ConfigError(f"arith teacher_carry_error must be in [0, 1], got {self.teacher_carry_error}")
 
     def _operand(self, rng: random.Random) -> int:
         num_digits = rng.randint(1, self.num_digits)
@@ -169,7 +176,22 @@ class ArithTask(_ProblemTask):
             if value >= 0 or self.allow_negative:
                 break
         expression = str(terms[0]) + "".join(op + str(t) for op, t in zip(ops, terms[1:]))
-        return Problem(f"{expression}=", str(value), str(_near_miss(value, rng)))
+        demonstration = None
+        # Drawn only when the teacher can err, so a clean task keeps its problem stream.
+        if self.teacher_carry_error > 0 and set(ops) == {"+"} and rng.random() < self.teacher_carry_error:
+            demonstration = _sum_without_carries(terms)
+        return Problem(f"{expression}=", str(value), str(_near_miss(value, rng)), demonstration)
+
+
+def _sum_without_carries(terms: list[int]) -> str:
+    """Column-wise sum mod 10, as if carries were forgotten: 58 + 67 -> "15" (the true sum is 125).
+
+    >>> _sum_without_carries([58, 67]), _sum_without_carries([12, 34])
+    ('15', '46')
+    """
+    width = max(len(str(t)) for t in terms)
+    columns = [sum(int(str(t).zfill(width)[i]) for t in terms) % 10 for i in range(width)]
+    return str(int("".join(map(str, columns))))
 
 
 def _near_miss(value: int, rng: random.Random) -> int:

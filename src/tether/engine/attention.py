@@ -22,6 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# Padding-aware grouping: split a group of rows only if it has this many rows and the split leaves
+# at most this fraction of the padded area (each extra group costs one more SDPA call per layer).
+_MIN_ROWS_TO_SPLIT = 8
+_MIN_SPLIT_GAIN = 0.8
+_MAX_SPLITS = 2
+
 
 @dataclass(slots=True)
 class KVCache:
@@ -68,6 +74,112 @@ class KVCache:
         self.v[:, dst] = self.v[:, src]
 
 
+class DecodeKV:
+    """Contiguous per-sequence copies of the KV of decode rows, kept across steps.
+
+    Gathering every decode row's whole context out of the pool, per layer and per step, copies far
+    more than the step computes (on CPU it cost as much as the attention itself). Instead a sequence
+    that keeps decoding owns a slot here: its context is gathered once, then each step appends one
+    key/value per layer, and the decode SDPA reads slots ``[0, S)`` as a strided view, no copy.
+
+    A slot stays valid only while its sequence decodes in consecutive ``assign`` calls (same
+    ``block_table`` object, ``start`` equal to the slot's length): any other path that writes its KV
+    (prefill chunk, recompute after preemption, draft rollback) breaks the chain, and the next
+    decode gathers afresh. Memory is capped at ``max_tokens`` slots x length (the pool's own size);
+    past it ``assign`` returns None and the step gathers from the pool as before.
+    """
+
+    def __init__(self, pool: KVCache, max_tokens: int) -> None:
+        num_layers, _, _, num_kv_heads, head_dim = pool.k.shape
+        self.max_tokens = max_tokens
+        shape = (num_layers, 0, num_kv_heads, 0, head_dim)
+        self.k = pool.k.new_zeros(shape)  # [L, R, Hkv, C, D]
+        self.v = pool.v.new_zeros(shape)
+        self.tables: list[list[int] | None] = []  # [R] each slot's block_table object
+        self.lengths: list[int] = []  # [R] tokens held (the slot's next write position)
+
+    def clear(self) -> None:
+        self.tables = [None] * len(self.tables)
+
+    def assign(self, spans: list[SeqSpan], pool: KVCache, block_size: int) -> list[int] | None:
+        """Give each decode row of the step slot ``i``; returns the rows in slot order (None: over
+        the memory cap, use the pool). Moves and fills slots so that rows ``[0, S)`` are current."""
+        rows = [i for i, span in enumerate(spans) if span.num_new == 1]
+        capacity = -(-max((spans[i].start + 1 for i in rows), default=1) // block_size) * block_size
+        if len(rows) * capacity > self.max_tokens:
+            self.clear()
+            return None
+        self._reserve(len(rows), capacity)
+        slot_of = {id(table): slot for slot, table in enumerate(self.tables) if table is not None}
+        kept: dict[int, int] = {}  # row -> its current slot, for rows whose slot is still valid
+        for row in rows:
+            span, slot = spans[row], slot_of.get(id(spans[row].block_table))
+            # identity, not equality: a recycled table with equal ids is another sequence's KV
+            is_same_table = slot is not None and self.tables[slot] is span.block_table
+            if is_same_table and self.lengths[slot] == span.start:
+                kept[row] = slot
+        staying = {row for row in rows if kept.get(row, len(rows)) < len(rows)}  # keep their slots
+        free = sorted(set(range(len(rows))) - {kept[row] for row in staying})
+        order_by_slot: list[int | None] = [None] * len(rows)
+        for row in staying:
+            order_by_slot[kept[row]] = row
+        moves, fills = [], []
+        for row in rows:
+            if row in staying:
+                continue
+            slot = free.pop(0)
+            order_by_slot[slot] = row
+            (moves if row in kept else fills).append((row, slot))
+        self._move([(kept[row], slot) for row, slot in moves])
+        self._fill([(spans[row], slot) for row, slot in fills], pool, block_size)
+        ordered = [row for row in order_by_slot if row is not None]
+        self.tables = [spans[row].block_table for row in ordered] + [None] * (len(self.tables) - len(ordered))
+        self.lengths = [spans[row].start + 1 for row in ordered] + [0] * (len(self.lengths) - len(ordered))
+        return ordered
+
+    def _reserve(self, num_rows: int, num_tokens: int) -> None:
+        """Grow to at least ``num_rows`` slots of ``num_tokens`` (doubling, so growth is rare)."""
+        num_layers, old_rows, num_kv_heads, old_tokens, head_dim = self.k.shape
+        if num_rows <= old_rows and num_tokens <= old_tokens:
+            return
+        new_rows, new_tokens = max(num_rows, 2 * old_rows), max(num_tokens, 2 * old_tokens)
+        if new_rows * new_tokens > self.max_tokens:
+            # Past the cap, grow straight to the longest slots the cap allows for these rows: growing
+            # by one block at a time reallocated the whole mirror nearly every step (8 % of a run).
+            new_rows = max(num_rows, old_rows)
+            new_tokens = max(num_tokens, old_tokens, self.max_tokens // new_rows)
+        shape = (num_layers, new_rows, num_kv_heads, new_tokens, head_dim)
+        for name in ("k", "v"):
+            grown = getattr(self, name).new_zeros(shape)
+            grown[:, :old_rows, :, :old_tokens] = getattr(self, name)
+            setattr(self, name, grown)
+        self.tables += [None] * (new_rows - old_rows)
+        self.lengths += [0] * (new_rows - old_rows)
+
+    def _move(self, moves: list[tuple[int, int]]) -> None:
+        if moves:
+            src = torch.tensor([s for s, _ in moves], device=self.k.device)
+            dst = torch.tensor([d for _, d in moves], device=self.k.device)
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+
+    def _fill(self, fills: list[tuple[SeqSpan, int]], pool: KVCache, block_size: int) -> None:
+        """Copy each new row's computed context ``[0, start)`` out of the pool, all layers at once."""
+        fills = [(span, slot) for span, slot in fills if span.start > 0]
+        if not fills:
+            return
+        num_blocks = max(-(-span.start // block_size) for span, _ in fills)
+        tables = [span.block_table[:num_blocks] + [0] * (num_blocks - len(span.block_table))
+                  for span, _ in fills]
+        ids = torch.tensor(tables, dtype=torch.long, device=self.k.device).view(-1)  # [n * Nb]
+        dst = torch.tensor([slot for _, slot in fills], device=self.k.device)
+        width = num_blocks * block_size
+        for mirror, source in ((self.k, pool.k), (self.v, pool.v)):
+            gathered = source.index_select(1, ids)  # [L, n * Nb, bs, Hkv, D]
+            gathered = gathered.view(source.shape[0], len(fills), width, *source.shape[3:]).transpose(2, 3)
+            mirror[:, dst, :, :width] = gathered  # [L, n, Hkv, width, D]
+
+
 @dataclass(slots=True)
 class AttentionGroup:
     """Sequences attended by one SDPA call per layer (S rows, queries padded to Tq, keys to Lk)."""
@@ -78,6 +190,8 @@ class AttentionGroup:
     window_mask: torch.Tensor | None  # the same with the sliding window applied, if the model has one
     out_index: torch.Tensor  # [M] step positions of the real queries
     out_select: torch.Tensor | None  # [M] their rows in the flattened [S * Tq] output; None: no padding
+    # Decode rows served by ``DecodeKV`` (row i in its slot i): each row's new-token position [S].
+    decode_kv_positions: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -109,8 +223,13 @@ def build_step_metadata(
     sliding_window: int | None,
     dtype: torch.dtype,
     device: torch.device,
+    decode_kv_rows: list[int] | None = None,
 ) -> StepMetadata:
-    """Slot mapping and attention groups for a step computing ``spans`` (in step order)."""
+    """Slot mapping and attention groups for a step computing ``spans`` (in step order).
+
+    ``decode_kv_rows``: the decode rows in ``DecodeKV`` slot order (``DecodeKV.assign``); they form
+    one group read from those contiguous copies instead of gathered from the pool.
+    """
     offsets, slots = [], []
     offset = 0
     for span in spans:
@@ -119,14 +238,56 @@ def build_step_metadata(
         slots.extend(_slots(span, block_size))
     decode_rows = [i for i, span in enumerate(spans) if span.num_new == 1]
     prefill_rows = [i for i, span in enumerate(spans) if span.num_new > 1]
+    decode_groups = _split_by_length(decode_rows, spans, _MAX_SPLITS)
+    if decode_kv_rows is not None:
+        decode_groups = [decode_kv_rows] if decode_kv_rows else []
     groups = [
         _build_group(
             [spans[i] for i in rows], [offsets[i] for i in rows], block_size, sliding_window, dtype, device
         )
-        for rows in (decode_rows, prefill_rows)
-        if rows
+        for rows in decode_groups + _split_by_length(prefill_rows, spans, _MAX_SPLITS)
     ]
+    if decode_kv_rows:
+        starts = [spans[i].start for i in decode_kv_rows]
+        groups[0].decode_kv_positions = torch.tensor(starts, dtype=torch.long, device=device)
     return StepMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups)
+
+
+def _padded_area(spans: list[SeqSpan]) -> int:
+    """Query-key pairs one padded SDPA call computes (and, for the keys, gathers) for ``spans``."""
+    return len(spans) * max(s.num_new for s in spans) * max(s.start + s.num_new for s in spans)
+
+
+def _split_by_length(rows: list[int], spans: list[SeqSpan], num_splits: int) -> list[list[int]]:
+    """Rows in groups of similar context length, when that saves enough padding to pay an extra call.
+
+    One split point over rows sorted by length, chosen to minimise the padded area, applied
+    recursively ``num_splits`` deep (at most 2 ** num_splits groups). O(S log S) host work.
+    """
+    if not rows:
+        return []
+    if num_splits == 0 or len(rows) < _MIN_ROWS_TO_SPLIT:
+        return [rows]
+    ordered = sorted(rows, key=lambda i: spans[i].start + spans[i].num_new)
+    best_area, best_cut = _padded_area([spans[i] for i in ordered]), 0
+    single_area = best_area
+    num_rows = len(ordered)
+    suffix_q = [0] * (num_rows + 1)
+    for k in range(num_rows - 1, -1, -1):
+        suffix_q[k] = max(suffix_q[k + 1], spans[ordered[k]].num_new)
+    prefix_q = 0
+    longest = spans[ordered[-1]].start + spans[ordered[-1]].num_new
+    for cut in range(1, num_rows):
+        left = spans[ordered[cut - 1]]
+        prefix_q = max(prefix_q, left.num_new)
+        area = cut * prefix_q * (left.start + left.num_new) + (num_rows - cut) * suffix_q[cut] * longest
+        if area < best_area:
+            best_area, best_cut = area, cut
+    if best_cut == 0 or best_area > _MIN_SPLIT_GAIN * single_area:
+        return [rows]
+    return _split_by_length(ordered[:best_cut], spans, num_splits - 1) + _split_by_length(
+        ordered[best_cut:], spans, num_splits - 1
+    )
 
 
 def _slots(span: SeqSpan, block_size: int) -> list[int]:
@@ -188,6 +349,7 @@ class PagedAttention:
     cache: KVCache
     meta: StepMetadata
     sliding_window_layers: tuple[int, ...] = ()  # layers that use the group's window_mask
+    decode_kv: DecodeKV | None = None  # holds the decode group's KV when it has ``decode_kv_positions``
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[1, T, Hq, D]``, k/v ``[1, T, Hkv, D]`` -> ``[1, T, Hq, D]``."""
@@ -201,14 +363,32 @@ class PagedAttention:
         out = torch.empty_like(q)
         for group in self.meta.groups:  # at most two: decodes, prefill chunks
             mask = group.window_mask if is_windowed and group.window_mask is not None else group.mask
-            keys = _gather(k_pool, group)  # [S, Hkv, Lk, D]
-            values = _gather(v_pool, group)
+            if group.decode_kv_positions is not None and self.decode_kv is not None:
+                keys, values = self._append_decode_kv(layer_idx, k[0], v[0], group)
+            else:
+                keys = _gather(k_pool, group)  # [S, Hkv, Lk, D]
+                values = _gather(v_pool, group)
             if group.is_decode:
                 rows = _attend_decode(q, keys, values, group, mask)
             else:
                 rows = _attend_prefill(q, keys, values, group, mask)
             out[group.out_index] = rows if group.out_select is None else rows[group.out_select]
         return out.unsqueeze(0)
+
+    def _append_decode_kv(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the decode rows' new k/v ``[T, Hkv, D]`` into their slots; their keys/values
+        ``[S, Hkv, Lk, D]`` as views of the slots ``[0, S)``."""
+        assert self.decode_kv is not None and group.decode_kv_positions is not None
+        num_rows, num_keys = group.num_rows, group.mask.shape[-1]
+        slots = torch.arange(num_rows, device=k.device)
+        index = group.query_index.view(-1)  # [S] each row's token in the step
+        positions = group.decode_kv_positions  # [S]
+        k_rows, v_rows = self.decode_kv.k[layer_idx], self.decode_kv.v[layer_idx]  # [R, Hkv, C, D]
+        k_rows[slots, :, positions] = k[index].to(k_rows.dtype)  # [S, Hkv, D]
+        v_rows[slots, :, positions] = v[index].to(v_rows.dtype)
+        return k_rows[:num_rows, :, :num_keys], v_rows[:num_rows, :, :num_keys]
 
 
 def _gather(pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

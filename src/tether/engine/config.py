@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from tether.errors import ConfigError
 
+SPECULATIVE_METHODS = (None, "ngram", "draft")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -25,6 +27,12 @@ class EngineConfig:
     recompute_kv_on_update: bool = False
     stop_token_ids: tuple[int, ...] = ()  # added to every request's stop ids (e.g. the tokenizer's EOS)
     seed: int = 0  # seeds requests that bring no seed of their own
+    # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged):
+    # "ngram" proposes by prompt lookup, "draft" by a small model passed as LLMEngine(draft_model=...).
+    speculative: str | None = None
+    num_speculative_tokens: int = 4  # draft tokens verified per decode step (k)
+    ngram_max: int = 4  # prompt lookup matches the last n tokens, n from ngram_max down to ngram_min
+    ngram_min: int = 1
 
     def __post_init__(self) -> None:
         positive = {
@@ -41,6 +49,17 @@ class EngineConfig:
             raise ConfigError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError(f"engine.kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"engine.speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"engine.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(
+                f"engine.ngram_min/ngram_max must satisfy 1 <= ngram_min <= ngram_max, "
+                f"got {self.ngram_min}, {self.ngram_max}"
+            )
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError(
                 f"engine.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"

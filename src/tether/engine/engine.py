@@ -11,9 +11,11 @@ recompute; every token's ``versions`` entry says which policy sampled it). With
 context under the new weights. Either way the prefix cache is flushed, so no new request reuses
 stale KV.
 
-Speculative decoding will slot in between schedule and sample: a proposer extends each decode
-span with draft tokens (``SeqSpan.num_new > 1``, logits at every draft position) and the sampler
-accepts a prefix; the attention backend already handles multi-token spans over cached context.
+Speculative decoding (``EngineConfig.speculative``) slots in between schedule and sample: the
+scheduler reserves ``k`` lookahead slots after each decode token, a proposer (``speculative.py``)
+fills them with draft tokens, the forward returns logits at every position of those spans, and
+``accept_drafts`` keeps a prefix plus one token by rejection sampling. Slots of rejected drafts are
+simply overwritten later: ``num_computed_tokens`` only counts the accepted ones.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from tether.engine.block_manager import BlockManager
 from tether.engine.config import EngineConfig
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput, num_kv_blocks_for
 from tether.engine.sampler import Detokenizer, Sampler, finish_reason
-from tether.engine.scheduler import Scheduler, SchedulerOutput
+from tether.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tether.engine.sequence import Sequence, sample_seed
+from tether.engine.speculative import Proposal, build_proposer, verify
 from tether.engine.types import Completion, SamplingParams
 from tether.errors import ConfigError, RequestError
 
@@ -44,13 +47,24 @@ class EngineStats:
     num_generated_tokens: int = 0  # tokens sampled
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative draft tokens verified by the target
+    num_accepted_tokens: int = 0  # of those, accepted by the rejection-sampling test
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 class LLMEngine:
     """Satisfies ``tether.engine.types.Generator``."""
 
     def __init__(
-        self, model: DecoderModel, *, tokenizer: Detokenizer | None = None, config: EngineConfig | None = None
+        self,
+        model: DecoderModel,
+        *,
+        tokenizer: Detokenizer | None = None,
+        config: EngineConfig | None = None,
+        draft_model: DecoderModel | None = None,
     ) -> None:
         self.config = config = config if config is not None else EngineConfig()
         self.model = model
@@ -68,8 +82,11 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
+            num_lookahead_tokens=config.num_speculative_tokens if config.speculative else 0,
+            max_model_len=self.max_model_len,
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.proposer = build_proposer(config, model, draft_model, num_blocks, self.max_model_len)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self.policy_version = 0
@@ -92,14 +109,18 @@ class LLMEngine:
         self._next_request_id += 1
         prompt = [int(t) for t in prompt_ids]
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        stop_ids = frozenset(params.stop_token_ids) | frozenset(self.config.stop_token_ids)
-        seqs = [self._new_sequence(request_id, i, prompt, params, stop_ids, seed) for i in range(params.n)]
         error = self._check_request(prompt, params)
         if error is not None:
-            for seq in seqs:
-                seq.finish("error", f"request {request_id}: {error}")
-                self._done.append(seq.to_completion(request_id))
+            message = f"request {request_id}: {error}"
+            self._done.extend(
+                Completion(
+                    request_id, i, list(prompt), finish_reason="error", error=message, request_id=request_id
+                )
+                for i in range(params.n)
+            )
             return request_id
+        stop_ids = frozenset(params.stop_token_ids) | frozenset(self.config.stop_token_ids)
+        seqs = [self._new_sequence(request_id, i, prompt, params, stop_ids, seed) for i in range(params.n)]
         self._requests[request_id] = seqs
         seqs[0].followers = seqs[1:]  # forked off once the prompt is computed: one prefill per group
         self.scheduler.add(seqs[0])
@@ -121,6 +142,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
 
+    @torch.inference_mode()
     def step(self) -> list[Completion]:
         """Run one scheduling step; returns the completions that finished in it."""
         done, self._done = self._done, []
@@ -129,31 +151,56 @@ class LLMEngine:
         self.stats.num_prefix_hit_tokens += out.num_prefix_hit_tokens
         if out.is_empty:
             return done
-        step_input, samplers = self._prepare(out)
-        logits = self.runner.run(step_input, out.block_copies)  # [N, V]
-        self._advance(out)
-        done.extend(self._sample_and_finish(logits, samplers))
+        proposals = self._propose(out)
+        step_input, samplers, verifiers = self._prepare(out, proposals)
+        logits = self.runner.run(step_input, out.block_copies)  # [N + sum(n_i + 1), V]
+        self._advance([item for item in out.scheduled if item.seq.seq_id not in proposals])
+        done.extend(self._sample_and_finish(logits[: len(samplers)], samplers))
+        done.extend(self._verify_and_finish(logits[len(samplers) :], verifiers, proposals))
         self.stats.num_steps += 1
         return done
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[StepInput, list[Sequence]]:
-        """Flatten the scheduled spans into one row; note which sequences sample (in row order)."""
+    def _propose(self, out: SchedulerOutput) -> dict[int, Proposal]:
+        """Draft tokens for the scheduled decodes with lookahead slots, by seq_id (non-empty only)."""
+        if self.proposer is None:
+            return {}
+        items = [item for item in out.scheduled if item.num_lookahead > 0]
+        proposals = self.proposer.propose(
+            [item.seq for item in items], [item.num_lookahead for item in items], out.block_copies
+        )
+        return {item.seq.seq_id: p for item, p in zip(items, proposals) if p.num_tokens > 0}
+
+    def _prepare(
+        self, out: SchedulerOutput, proposals: dict[int, Proposal]
+    ) -> tuple[StepInput, list[Sequence], list[Sequence]]:
+        """Flatten the scheduled spans (decode token + drafts where proposed) into one row.
+
+        Logits rows: one per plain sampling sequence (``samplers``), then ``n + 1`` per sequence
+        verifying ``n`` drafts (``verifiers``), each list in step order.
+        """
         token_ids: list[int] = []
         positions: list[int] = []
-        spans, logits_index, samplers = [], [], []
+        spans, sample_index, verify_index = [], [], []
+        samplers, verifiers = [], []
         for item in out.scheduled:
             seq, start, num_new = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             token_ids.extend(seq.token_ids[start : start + num_new])
+            proposal = proposals.get(seq.seq_id)
+            if proposal is not None:
+                token_ids.extend(proposal.token_ids)
+                num_new += proposal.num_tokens
+                verify_index.extend(range(len(token_ids) - num_new, len(token_ids)))
+                verifiers.append(seq)
+            elif item.is_sampling:
+                sample_index.append(len(token_ids) - 1)
+                samplers.append(seq)
             positions.extend(range(start, start + num_new))
             spans.append(SeqSpan(start, num_new, seq.block_table))
-            if item.is_sampling:
-                logits_index.append(len(token_ids) - 1)
-                samplers.append(seq)
-        return StepInput(token_ids, positions, spans, logits_index), samplers
+        return StepInput(token_ids, positions, spans, sample_index + verify_index), samplers, verifiers
 
-    def _advance(self, out: SchedulerOutput) -> None:
+    def _advance(self, items: list[ScheduledSeq]) -> None:
         """Mark the scheduled tokens computed and offer newly full blocks to the prefix cache."""
-        for item in out.scheduled:
+        for item in items:
             seq = item.seq
             before = seq.num_computed_tokens
             num_prompt = max(0, min(before + item.num_new_tokens, seq.num_prompt_tokens) - before)
@@ -163,6 +210,8 @@ class LLMEngine:
             self.block_manager.commit(seq, before)
 
     def _sample_and_finish(self, logits: torch.Tensor, samplers: list[Sequence]) -> list[Completion]:
+        if not samplers:
+            return []  # a step of prefill chunks only
         # A leader finishing its prompt samples for its whole group from the same logits row.
         rows, seqs = [], []
         for row, seq in enumerate(samplers):
@@ -184,6 +233,48 @@ class LLMEngine:
         self.scheduler.remove_finished()
         return done
 
+    def _verify_and_finish(
+        self, logits: torch.Tensor, verifiers: list[Sequence], proposals: dict[int, Proposal]
+    ) -> list[Completion]:
+        """logits ``[sum(n_i + 1), V]``: accept each verifier's drafts, emit, roll back the rest."""
+        if not verifiers:
+            return []
+        drafts = [proposals[seq.seq_id] for seq in verifiers]
+        verdict = verify(logits, verifiers, drafts)
+        # The step's one host sync for the verifiers.
+        token_ids, token_logprobs = verdict.token_ids.tolist(), verdict.logprobs.tolist()
+        done = []
+        for seq, draft, num_accepted, ids, lps in zip(
+            verifiers, drafts, verdict.num_accepted.tolist(), token_ids, token_logprobs
+        ):
+            before = seq.num_computed_tokens
+            num_emitted = self._emit(seq, ids[: num_accepted + 1], lps)
+            # KV is valid for the decode token and the accepted drafts among what was emitted.
+            seq.num_computed_tokens = before + num_emitted
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+            self.block_manager.commit(seq, before)
+            is_prompt_end = before < seq.num_prompt_tokens  # a prompt's last token, then drafts
+            self.stats.num_prefill_tokens += int(is_prompt_end)
+            self.stats.num_decode_tokens += draft.num_tokens + 1 - int(is_prompt_end)
+            self.stats.num_draft_tokens += draft.num_tokens
+            self.stats.num_accepted_tokens += num_accepted
+            if seq.is_finished:
+                done.append(seq.to_completion(seq.request_id))
+                self._forget_if_done(seq.request_id)
+        self.scheduler.remove_finished()
+        return done
+
+    def _emit(self, seq: Sequence, token_ids: list[int], logprobs: list[float]) -> int:
+        """Append tokens until one finishes ``seq`` (stop token/string, length); returns how many."""
+        for num_emitted, (token_id, logprob) in enumerate(zip(token_ids, logprobs), start=1):
+            seq.append_token(token_id, logprob, self.policy_version)
+            self.stats.num_generated_tokens += 1
+            reason = finish_reason(seq, self.max_model_len, self.tokenizer)
+            if reason is not None:
+                seq.finish(reason)
+                return num_emitted
+        return len(token_ids)
+
     # ------------------------------------------------------------------ batch API
 
     def generate(
@@ -202,6 +293,8 @@ class LLMEngine:
         num_left = sum(sp.n for sp in params_list)
         others: list[Completion] = []
         while num_left > 0:
+            if not self.scheduler.has_unfinished() and not self._done:
+                raise RuntimeError(f"engine idle with {num_left} completions outstanding")  # a bug, not input
             for completion in self.step():
                 index = prompt_index.get(completion.request_id)
                 if index is None:
@@ -216,7 +309,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy new weights into the model in place; tokens sampled from now on carry ``version``."""
+        """Copy new weights into the model in place; tokens sampled from now on carry ``version``.
+
+        Call between steps, from the thread that steps the engine.
+        """
         self.runner.load_weights(named_tensors)
         self.policy_version = version
         self.block_manager.flush_prefix_cache()
@@ -240,9 +336,9 @@ class LLMEngine:
         generator = torch.Generator().manual_seed(sample_seed(seed, sample_index))
         seq_id = self._next_seq_id
         self._next_seq_id += 1
-        token_ids = list(prompt) if prompt else [0]  # an empty prompt is rejected; keep the invariant
-        num_prompt = len(prompt) if prompt else 1
-        return Sequence(seq_id, request_id, sample_index, token_ids, num_prompt, params, stop_ids, generator)
+        return Sequence(
+            seq_id, request_id, sample_index, list(prompt), len(prompt), params, stop_ids, generator
+        )
 
     def _check_request(self, prompt: list[int], params: SamplingParams) -> str | None:
         """Why the engine cannot serve this request, as one line; None when it can."""

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from tether.engine.attention import KVCache, PagedAttention, SeqSpan, build_step_metadata
+from tether.engine.attention import DecodeKV, KVCache, PagedAttention, SeqSpan, build_step_metadata
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
 
@@ -76,16 +76,27 @@ class ModelRunner:
             cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
+        # Decode rows read contiguous copies of their KV (at most the pool's size again in memory).
+        self.decode_kv = DecodeKV(self.cache, max_tokens=num_blocks * block_size)
 
     @torch.inference_mode()
     def run(self, step: StepInput, block_copies: list[tuple[int, int]]) -> torch.Tensor:
         """Forward the step; returns logits ``[N, V]`` (fp32) at ``step.logits_index``."""
         self.cache.copy_blocks(block_copies)
-        meta = build_step_metadata(step.spans, self.block_size, self.sliding_window, self.dtype, self.device)
-        attn = PagedAttention(self.cache, meta, self.sliding_window_layers)
+        decode_kv_rows = self.decode_kv.assign(step.spans, self.cache, self.block_size)
+        meta = build_step_metadata(
+            step.spans, self.block_size, self.sliding_window, self.dtype, self.device, decode_kv_rows
+        )
+        attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
-        hidden = self.model(input_ids, positions, attn)  # [1, T, H]
+        try:
+            hidden = self.model(input_ids, positions, attn)  # [1, T, H]
+        except BaseException:
+            self.decode_kv.clear()  # slots may hold this step's keys in some layers only
+            raise
+        if not step.logits_index:
+            return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
 

@@ -22,6 +22,7 @@ from tether.engine.types import FinishReason, SamplingParams
 # Tokens decoded to look for a stop string: enough for its characters plus tokens that decode to
 # nothing on their own (partial UTF-8), without decoding the whole completion every step.
 _STOP_WINDOW_EXTRA_TOKENS = 8
+_CDF_CHUNK = 256  # tokens per chunk of the two-level inverse-CDF search
 
 
 class Detokenizer(Protocol):
@@ -42,35 +43,72 @@ def _row_param(values: list[float], dtype: torch.dtype, device: torch.device) ->
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits ``[N, V]`` (row i sampled with params[i]) -> fp32 log-probs ``[N, V]`` under process_logits."""
+    device = logits.device
+    temperature = _row_param([p.temperature for p in params], torch.float32, device)
+    top_k = _row_param([p.top_k for p in params], torch.long, device)
+    top_p = _row_param([p.top_p for p in params], torch.float32, device)
+    min_p = _row_param([p.min_p for p in params], torch.float32, device)
+    return process_logits(logits, temperature, top_k, top_p, min_p)
+
+
+def draw_uniforms(generators: list[torch.Generator], num_per_row: int = 1) -> torch.Tensor:
+    """``[M, num_per_row]`` uniforms in [0, 1), row i from generators[i] (CPU generators)."""
+    return torch.stack([torch.rand(num_per_row, generator=g) for g in generators])
+
+
 class Sampler:
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
     ) -> SampleResult:
         """logits ``[N, V]`` (row i belongs to params[i], generators[i]) -> a token and log-prob per row."""
         device = logits.device
-        temperature = _row_param([p.temperature for p in params], torch.float32, device)
-        top_k = _row_param([p.top_k for p in params], torch.long, device)
-        top_p = _row_param([p.top_p for p in params], torch.float32, device)
-        min_p = _row_param([p.min_p for p in params], torch.float32, device)
-        logprobs = process_logits(logits, temperature, top_k, top_p, min_p)  # [N, V] fp32
-        token_ids = logprobs.argmax(dim=-1)  # [N]; final for greedy rows
+        logprobs = processed_logprobs(logits, params)  # [N, V] fp32
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=device)
-            token_ids[rows] = _inverse_cdf(logprobs[rows], [generators[i] for i in sampled_rows])
+        if len(sampled_rows) == len(params):  # skip the argmax pass: it costs as much as sampling
+            token_ids = _inverse_cdf(logprobs, generators)
+        else:
+            token_ids = logprobs.argmax(dim=-1)  # [N]; final for greedy rows
+            if sampled_rows:
+                rows = torch.tensor(sampled_rows, device=device)
+                token_ids[rows] = _inverse_cdf(logprobs[rows], [generators[i] for i in sampled_rows])
         picked = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [N]
         return SampleResult(token_ids.tolist(), picked.tolist())  # the step's one host sync
 
 
 def _inverse_cdf(logprobs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """logprobs [M, V] -> LongTensor [M]: one draw per row from its own generator."""
-    # 1 - U(0, 1] lies in (0, 1]: the target is never 0, so a leading zero-probability token is
-    # never picked; the first index whose CDF reaches the target always has positive mass.
-    uniforms = torch.stack([1.0 - torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    cdf = logprobs.double().exp().cumsum(dim=-1)  # [M, V]; fp64 so the tail is not lost
-    target = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]  # [M, 1]
-    index = torch.searchsorted(cdf, target).squeeze(-1)  # [M]
-    return index.clamp_(max=logprobs.shape[-1] - 1)
+    uniforms = draw_uniforms(generators)[:, 0].to(logprobs.device)  # [M]
+    return inverse_cdf(logprobs.exp(), uniforms)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [M, V] (non-negative, need not sum to 1), uniforms [M] in [0, 1) -> LongTensor [M].
+
+    Two-level search instead of a full ``cumsum`` over the vocabulary (the step's costliest
+    elementwise pass): pick a chunk of ``_CDF_CHUNK`` tokens by the CDF of chunk sums, then a token
+    by the CDF inside that chunk. Each row is scaled by its own total, so unnormalised rows (a
+    speculative-decoding residual) sample their normalised distribution.
+    """
+    num_rows, vocab_size = probs.shape
+    num_chunks = -(-vocab_size // _CDF_CHUNK)
+    if num_chunks * _CDF_CHUNK != vocab_size:
+        probs = torch.nn.functional.pad(probs, (0, num_chunks * _CDF_CHUNK - vocab_size))
+    chunks = probs.reshape(num_rows, num_chunks, _CDF_CHUNK)  # [M, C, K]
+    chunk_cdf = chunks.sum(dim=-1).cumsum(dim=-1)  # [M, C]
+    # 1 - U[0, 1) lies in (0, 1]; scaled by the row's own total it stays inside the CDF.
+    target = (1.0 - uniforms.to(probs.dtype)) * chunk_cdf[:, -1]  # [M]
+    chunk = torch.searchsorted(chunk_cdf, target[:, None]).clamp_(max=num_chunks - 1)  # [M, 1]
+    before = torch.where(chunk > 0, chunk_cdf.gather(-1, (chunk - 1).clamp(min=0)), 0.0)  # [M, 1]
+    inner_cdf = chunks[torch.arange(num_rows, device=probs.device), chunk[:, 0]].cumsum(dim=-1)  # [M, K]
+    # A positive residual at most the chunk's total lands on a token with positive mass: the
+    # first index whose CDF reaches it is where the CDF rose.
+    residual = torch.minimum(
+        (target[:, None] - before).clamp(min=torch.finfo(probs.dtype).tiny), inner_cdf[:, -1:]
+    )
+    inner = torch.searchsorted(inner_cdf, residual).clamp_(max=_CDF_CHUNK - 1)  # [M, 1]
+    return (chunk * _CDF_CHUNK + inner).squeeze(-1)
 
 
 def finish_reason(seq: Sequence, max_model_len: int, tokenizer: Detokenizer | None) -> FinishReason | None:

@@ -7,6 +7,10 @@ out, the most recently admitted running sequence is preempted: its blocks are fr
 back to the front of the queue to be recomputed later (prefix caching makes that cheap). The
 oldest running sequence can always proceed, so the engine never deadlocks; the engine rejects any
 request that could not fit in the pool on its own.
+
+With speculative decoding on (``num_lookahead_tokens`` = k), a decode also reserves (and budgets)
+up to k slots after its token for draft tokens, capped by what the sequence may still emit; the
+reservation is dropped rather than preempting anyone for it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from tether.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+    # Extra slots allocated (and budgeted) after a decode token for speculative draft tokens; the
+    # proposer may fill fewer. Their KV is kept only for drafts the target accepts.
+    num_lookahead: int = 0
 
     @property
     def is_sampling(self) -> bool:
@@ -42,7 +49,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
+        return sum(item.num_new_tokens + item.num_lookahead for item in self.scheduled)
 
 
 class Scheduler:
@@ -52,8 +59,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        *,
+        num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.num_lookahead_tokens = num_lookahead_tokens  # speculative drafts per decode (k), 0: off
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -88,6 +100,9 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens:
                 self.running.append(seq)  # its whole remainder does not fit this step's budget
                 continue
+            num_lookahead = self._num_lookahead(seq, num_new, budget)
+            if not self.block_manager.can_allocate(seq, num_new + num_lookahead):
+                num_lookahead = 0  # never preempt another sequence just to speculate
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -96,12 +111,25 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.WAITING:
                 break  # preempted itself: nothing after it can run either
-            self.block_manager.allocate(seq, num_new)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            self.block_manager.allocate(seq, num_new + num_lookahead)
+            out.scheduled.append(ScheduledSeq(seq, num_new, num_lookahead))
             self.running.append(seq)
-            budget -= num_new
+            budget -= num_new + num_lookahead
         self.running.extend(queue)  # out of budget: they keep their place for the next step
         return budget
+
+    def _num_lookahead(self, seq: Sequence, num_new: int, budget: int) -> int:
+        """Draft slots for a decode step of ``seq``: k, capped by the budget and by what ``seq`` may
+        still emit (each step emits accepted drafts plus one token, within max_new_tokens and
+        max_model_len)."""
+        if self.num_lookahead_tokens == 0 or num_new != 1 or seq.num_uncomputed_tokens != 1:
+            return 0  # prefill chunks sample nothing; the last chunk of a prompt samples normally
+        if seq.followers:
+            return 0  # a leader ending its prompt samples for its whole group (see LLMEngine)
+        num_left = seq.params.max_new_tokens - seq.num_output_tokens - 1
+        if self.max_model_len is not None:
+            num_left = min(num_left, self.max_model_len - seq.num_tokens - 1)
+        return max(0, min(self.num_lookahead_tokens, budget - num_new, num_left))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         num_samples = self.num_running_samples
@@ -128,6 +156,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first in line to recompute (keeps its tokens)."""
         self.block_manager.free(seq)
+        seq.num_draft_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -144,6 +173,8 @@ class Scheduler:
         followers, leader.followers = leader.followers, []
         for follower in followers:
             self.block_manager.fork(leader, follower)
+            # The shared blocks hold the leader's draft KV too (same tokens, same positions).
+            follower.num_draft_computed_tokens = leader.num_draft_computed_tokens
             follower.status = SequenceStatus.RUNNING
             self.running.append(follower)
         return followers

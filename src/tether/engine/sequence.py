@@ -45,6 +45,9 @@ class Sequence:
     # Tokens whose KV is in this sequence's blocks. Reset to 0 on preemption (recompute policy).
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Tokens whose draft-model KV (speculative decoding) is in this sequence's blocks: the draft's
+    # own pool shares the block tables. Lags num_computed_tokens; reset with it on preemption.
+    num_draft_computed_tokens: int = 0
     # True once a weight update lands while this sequence holds KV from the old weights: it keeps
     # that KV (the engine's default policy) but its blocks must never enter the prefix cache.
     is_kv_stale: bool = False

@@ -13,7 +13,7 @@ decoding (temperature 0) reports the log-prob under the unprocessed softmax (tem
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 import torch
@@ -50,6 +50,17 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_request(self, index: int) -> SamplingParams:
+        """These settings with a seed of their own for the ``index``-th request of a run.
+
+        RL must draw fresh randomness for every prompt of every step: reusing one seed would replay
+        the same uniforms for sample j of every group, step after step, and bias the gradient. The
+        derived seed keeps the run reproducible; ``seed=None`` stays None (fresh global randomness).
+        """
+        if self.seed is None:
+            return self
+        return replace(self, seed=(self.seed * 0x9E3779B97F4A7C15 + index + 1) % 2**63)
 
 
 @dataclass(slots=True)

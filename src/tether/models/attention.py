@@ -31,6 +31,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from tether.models.config import ModelConfig
+
 
 class AttentionBackend(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -92,13 +94,23 @@ class CausalAttention:
         q_, k_, v_ = _to_heads_first(q), _to_heads_first(k), _to_heads_first(v)
         if self.key_padding_mask is None and not is_windowed:
             return _to_heads_first(sdpa(q_, k_, v_, is_causal=True))  # fused causal path, no mask tensor
-        num_tokens = q.shape[1]
+        mask = self.mask_for(q.shape[1], q.device, is_windowed)
+        return _to_heads_first(sdpa(q_, k_, v_, mask=mask))
+
+    def mask_for(self, num_tokens: int, device: torch.device, is_windowed: bool = False) -> torch.Tensor:
+        """``[B or 1, 1, T, T]``, built once and shared by all layers of a kind."""
         key = (is_windowed, num_tokens)
-        if key not in self._masks:  # built once, shared by all layers of a kind
-            slots = torch.arange(num_tokens, device=q.device)
+        if key not in self._masks:
+            slots = torch.arange(num_tokens, device=device)
             window = self.sliding_window if is_windowed else None
             self._masks[key] = _causal_mask(slots, num_tokens, window, self.key_padding_mask)
-        return _to_heads_first(sdpa(q_, k_, v_, mask=self._masks[key]))
+        return self._masks[key]
+
+
+# Sequences are grouped into chunks of up to this many tokens, each attended by one SDPA call with a
+# block-diagonal causal mask: many short sequences (a GRPO batch) then cost a few calls instead of
+# one call per sequence, while the mask stays small (at most CHUNK_TOKENS^2 booleans).
+PACKED_CHUNK_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -106,24 +118,31 @@ class PackedAttention:
     """One row ``[1, T]`` holding sequences of lengths ``seq_lens`` back to back (sum == T).
 
     Attention is causal within each sequence and never crosses a boundary. Positions must restart at
-    0 for each sequence: pass ``positions()`` to ``Decoder.forward``. Each sequence is attended by its
-    own SDPA call on the fused causal path, so memory is sum(L_i^2), not T^2.
+    0 for each sequence: pass ``positions()`` to ``Decoder.forward``. Consecutive sequences are
+    grouped into chunks of at most ``PACKED_CHUNK_TOKENS`` tokens (a longer sequence is a chunk of
+    its own, on SDPA's fused causal path); each chunk is one SDPA call with a block-diagonal mask,
+    so memory is bounded by the chunk size, not T^2.
     """
 
     seq_lens: Sequence[int] | torch.Tensor
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] | None = None
-    _bounds: list[tuple[int, int]] = field(default_factory=list, init=False, repr=False)
+    _chunk_lens: list[int] = field(default_factory=list, init=False, repr=False)
+    _chunk_seq_lens: list[list[int]] = field(default_factory=list, init=False, repr=False)
+    _masks: dict[tuple[int, bool], torch.Tensor | None] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         lens = self.seq_lens.tolist() if isinstance(self.seq_lens, torch.Tensor) else list(self.seq_lens)
         if any(length <= 0 for length in lens):
             raise ValueError(f"seq_lens must be positive, got {lens}")
         self.seq_lens = [int(length) for length in lens]
-        starts = [0]
-        for length in self.seq_lens[:-1]:
-            starts.append(starts[-1] + length)
-        self._bounds = [(start, start + length) for start, length in zip(starts, self.seq_lens)]
+        for length in self.seq_lens:
+            if self._chunk_lens and self._chunk_lens[-1] + length <= PACKED_CHUNK_TOKENS:
+                self._chunk_lens[-1] += length
+                self._chunk_seq_lens[-1].append(length)
+            else:
+                self._chunk_lens.append(length)
+                self._chunk_seq_lens.append([length])
 
     @property
     def num_tokens(self) -> int:
@@ -133,20 +152,36 @@ class PackedAttention:
         """``[1, T]``: 0..L_i-1 for each sequence in turn."""
         return torch.cat([torch.arange(length, device=device) for length in self.seq_lens])[None]
 
+    def _mask(self, chunk: int, is_windowed: bool, device: torch.device) -> torch.Tensor | None:
+        """Block-diagonal causal mask ``[1, 1, Tc, Tc]`` of a chunk; None means plain causal."""
+        key = (chunk, is_windowed)
+        if key not in self._masks:
+            lens = self._chunk_seq_lens[chunk]
+            if len(lens) == 1 and not is_windowed:
+                self._masks[key] = None
+            else:
+                seq_id = torch.repeat_interleave(torch.arange(len(lens), device=device),
+                                                 torch.tensor(lens, device=device))  # [Tc]
+                slots = torch.cat([torch.arange(n, device=device) for n in lens])  # position in its sequence
+                window = self.sliding_window if is_windowed else None
+                distance = slots[:, None] - slots[None, :]  # valid only within a sequence
+                mask = (seq_id[:, None] == seq_id[None, :]) & (distance >= 0)
+                if window is not None:
+                    mask &= distance < window
+                self._masks[key] = mask[None, None]
+        return self._masks[key]
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != 1 or q.shape[1] != self.num_tokens:
             raise ValueError(f"packed q must be [1, {self.num_tokens}, H, D], got {list(q.shape)}")
         is_windowed = _is_windowed(layer_idx, self.sliding_window, self.sliding_window_layers)
-        q_, k_, v_ = _to_heads_first(q), _to_heads_first(k), _to_heads_first(v)
+        # split (not slicing in a loop): its backward is one concatenation, not one full-size
+        # gradient buffer per piece.
+        pieces = zip(*(_to_heads_first(x).split(self._chunk_lens, dim=2) for x in (q, k, v)))
         outputs = []
-        for start, end in self._bounds:
-            q_i, k_i, v_i = q_[:, :, start:end], k_[:, :, start:end], v_[:, :, start:end]
-            if is_windowed:
-                slots = torch.arange(end - start, device=q.device)
-                mask = _causal_mask(slots, end - start, self.sliding_window, None)
-                outputs.append(sdpa(q_i, k_i, v_i, mask=mask))
-            else:
-                outputs.append(sdpa(q_i, k_i, v_i, is_causal=True))
+        for chunk, (q_i, k_i, v_i) in enumerate(pieces):
+            mask = self._mask(chunk, is_windowed, q.device)
+            outputs.append(sdpa(q_i, k_i, v_i, mask=mask, is_causal=mask is None))
         return _to_heads_first(torch.cat(outputs, dim=2))
 
 
@@ -161,10 +196,14 @@ class ContiguousKVCache:
 
     1. ``cache.set_padding(prompt_mask)`` before the prefill forward (skip it when no row is padded);
     2. prefill: ``model(input_ids, positions, attn=cache)`` with
-       ``positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)`` (0 on each row's first real token);
-    3. decode: ``model(next_ids[:, None], positions[:, -1:] + step, attn=cache)``; new tokens are
-       always real (rows that already finished keep decoding junk the caller ignores).
+       ``positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)``: 0 on each row's first real token
+       (the value at padded slots does not matter, they are never attended);
+    3. decode: ``model(next_ids[:, None], cache.next_positions(), attn=cache)``, one token per row.
+       ``next_positions()`` is each row's count of real tokens so far (``[B, 1]``), which equals
+       ``positions[:, -1:] + 1 + i`` at decode step ``i``. Decoded tokens are always real (rows that
+       already finished keep decoding junk the caller ignores).
 
+    The cache never computes positions itself; it only decides which slots each query may see.
     Keys at padded slots are never attended by real queries. A sliding window counts slots, which
     equals positions for real tokens because padding only sits before them.
     """
@@ -193,7 +232,12 @@ class ContiguousKVCache:
 
     @classmethod
     def for_model(
-        cls, config, batch: int, max_len: int, dtype: torch.dtype = torch.float32, device="cpu"
+        cls,
+        config: ModelConfig,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> ContiguousKVCache:
         """A cache shaped for a ``ModelConfig``, with the checkpoint's sliding window."""
         return cls(
@@ -211,6 +255,10 @@ class ContiguousKVCache:
     def set_padding(self, key_padding_mask: torch.Tensor) -> None:
         """Mark which of the next forward's ``T`` tokens are real: bool ``[B, T]``, True = real."""
         self._pending_padding = key_padding_mask
+
+    def next_positions(self) -> torch.Tensor:
+        """``[B, 1]`` long: the position of each row's next token (its number of real tokens)."""
+        return self.is_real.sum(-1, keepdim=True)
 
     def reset(self) -> None:
         self.num_filled = 0

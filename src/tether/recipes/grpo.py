@@ -1,11 +1,21 @@
-"""The GRPO recipe (synchronous, on-policy): config in, trained policy in ``RUN_DIR/final`` out."""
+"""The GRPO recipe: config in, trained policy in ``RUN_DIR/final`` out.
+
+``rollout.mode=sync`` runs ``rl_step`` (generate a batch, train, sync weights); with over-sampling
+or dynamic sampling it runs the asynchronous driver in-process with staleness 0, which gives the
+same on-policy guarantee. ``rollout.mode=async`` runs the generator in its own process
+(``tether.rollout.local_backend``) and the trainer here, within ``rollout.max_staleness``.
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tether.algorithms.registry import ADVANTAGES
 from tether.builders import (
@@ -22,7 +32,12 @@ from tether.engine.types import SamplingParams
 from tether.metrics import MetricsWriter
 from tether.models.checkpoint import save_model
 from tether.progress import make_progress
+from tether.rollout.async_loop import AsyncRLComponents, async_rl_step
+from tether.rollout.buffer import RolloutBuffer
+from tether.rollout.generator_worker import GeneratorSettings, GeneratorWorker
+from tether.rollout.local_backend import GeneratorTransport, InProcessTransport, ProcessTransport
 from tether.rollout.sync_loop import LoopState, RLComponents, rl_step
+from tether.rollout.weights import SharedWeights
 from tether.training.optim import build_optimizer, build_scheduler
 from tether.training.policy import PolicyLossSettings, PolicyTrainer
 from tether.training.scoring import SamplingView
@@ -37,10 +52,28 @@ class GRPOResult:
     tokenizer: Any
 
 
+def resolved_policy_loss(config: ExperimentConfig) -> str:
+    """``auto``: ppo_clip on-policy (sync), decoupled PPO when samples may be stale (async)."""
+    if config.algorithm.policy_loss != "auto":
+        return config.algorithm.policy_loss
+    return "decoupled_ppo" if config.rollout.mode == "async" else "ppo_clip"
+
+
+def is_partial_rollouts(config: ExperimentConfig) -> bool:
+    r = config.rollout
+    return r.partial_rollouts if r.partial_rollouts is not None else (r.max_staleness > 0 or r.oversample > 0)
+
+
+def uses_async_driver(config: ExperimentConfig) -> bool:
+    r = config.rollout
+    return r.mode == "async" or r.oversample > 0 or r.dynamic_sampling
+
+
 def policy_settings(config: ExperimentConfig) -> PolicyLossSettings:
     a, t = config.algorithm, config.trainer
     return PolicyLossSettings(
-        policy_loss=a.policy_loss, loss_agg=a.loss_agg, clip_low=a.clip_low, clip_high=a.clip_high,
+        policy_loss=resolved_policy_loss(config), proximal=a.proximal, loss_agg=a.loss_agg,
+        clip_low=a.clip_low, clip_high=a.clip_high,
         kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, epochs_per_batch=a.epochs_per_batch,
         correction=a.correction, correction_cap=a.correction_cap, micro_batch_tokens=t.micro_batch_tokens,
         grad_clip=t.grad_clip)
@@ -53,39 +86,91 @@ def sampling_params(config: ExperimentConfig, tokenizer: Any) -> SamplingParams:
                           stop_token_ids=(tokenizer.eos_token_id,), seed=config.seed)
 
 
-def build_components(config: ExperimentConfig, model: Any, tokenizer: Any) -> RLComponents:
-    data = build_prompt_data(config.data, config.seed)
+def build_trainer(config: ExperimentConfig, model: Any) -> PolicyTrainer:
     t, r = config.trainer, config.rollout
     optimizer = build_optimizer(model.parameters(), t.lr, t.weight_decay, t.betas)
     scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
                                 schedule=t.schedule, min_lr_ratio=t.min_lr_ratio)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if config.algorithm.kl_coef > 0 else None
-    trainer = PolicyTrainer(model, optimizer, scheduler, policy_settings(config),
-                            SamplingView(r.temperature, r.top_k, r.top_p), ref_model=ref_model)
+    return PolicyTrainer(model, optimizer, scheduler, policy_settings(config),
+                         SamplingView(r.temperature, r.top_k, r.top_p), ref_model=ref_model)
+
+
+def build_components(config: ExperimentConfig, model: Any, tokenizer: Any) -> RLComponents:
+    data = build_prompt_data(config.data, config.seed)
     return RLComponents(
-        generator=build_generator(model, tokenizer), trainer=trainer,
+        generator=build_generator(model, tokenizer, config.engine), trainer=build_trainer(config, model),
         rewards=build_rewards(config, data.task), prompts=DataCursor(data.train, seed=config.seed),
         encode=lambda record: tokenize_prompt(record, tokenizer),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         advantage_fn=ADVANTAGES.get(config.algorithm.advantage),
-        sampling=sampling_params(config, tokenizer), prompts_per_step=r.prompts_per_step)
+        sampling=sampling_params(config, tokenizer), prompts_per_step=config.rollout.prompts_per_step)
+
+
+def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any) -> GeneratorWorker:
+    """The generator role from config (module-level and picklable: a spawned process calls it)."""
+    data = build_prompt_data(config.data, config.seed)
+    r = config.rollout
+    settings = GeneratorSettings(
+        sampling=sampling_params(config, tokenizer), groups_per_batch=r.prompts_per_step,
+        max_staleness=r.max_staleness if r.mode == "async" else 0, num_extra_groups=r.oversample,
+        is_partial_rollouts=is_partial_rollouts(config), is_dynamic_sampling=r.dynamic_sampling)
+    return GeneratorWorker(
+        build_generator(model, tokenizer, config.engine), DataCursor(data.train, seed=config.seed),
+        build_rewards(config, data.task), lambda record: tokenize_prompt(record, tokenizer),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True), settings)
+
+
+def thread_split(config: ExperimentConfig) -> tuple[int, int]:
+    """(trainer threads, generator threads) for async mode: 0 means half of the cores each."""
+    half = max(1, (os.cpu_count() or 2) // 2)
+    return config.trainer.num_threads or half, config.rollout.generator_threads or half
+
+
+def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any) -> AsyncRLComponents:
+    r = config.rollout
+    transport: GeneratorTransport
+    if r.mode == "async":
+        weights = SharedWeights(model.named_parameters(), int(r.weight_bucket_mb * (1 << 20)))
+        make_worker = functools.partial(build_generator_worker, config, copy.deepcopy(model), tokenizer)
+        transport = ProcessTransport(make_worker, weights, num_threads=thread_split(config)[1])
+    else:
+        transport = InProcessTransport(build_generator_worker(config, model, tokenizer))
+    max_staleness = r.max_staleness if r.mode == "async" else 0
+    return AsyncRLComponents(transport, build_trainer(config, model), RolloutBuffer(max_staleness),
+                             ADVANTAGES.get(config.algorithm.advantage), groups_per_batch=r.prompts_per_step,
+                             group_size=r.group_size)
 
 
 def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenizer: Any = None) -> GRPOResult:
     seed_everything(config.seed)
     if model is None:
         model, tokenizer = build_model_and_tokenizer(config.model, config.init_from, config.seed)
-    components = build_components(config, model, tokenizer)
     state = LoopState()
     history: list[dict[str, Any]] = []
     progress = make_progress(config.logging.progress, config.trainer.max_steps, "grpo",
                              config.logging.log_every)
-    with MetricsWriter(run_dir, progress) as writer:
-        while state.step < config.trainer.max_steps:
-            metrics, samples = rl_step(components, state)
-            writer.log(state.step, metrics)
-            writer.log_samples(state.step, samples[: config.logging.samples_per_step])
-            history.append(metrics)
+    threads_before = torch.get_num_threads()
+    if uses_async_driver(config):
+        components: Any = build_async_components(config, model, tokenizer)
+        step_fn: Any = async_rl_step
+        if config.rollout.mode == "async":
+            torch.set_num_threads(thread_split(config)[0])
+    else:
+        components, step_fn = build_components(config, model, tokenizer), rl_step
+    if config.rollout.mode == "sync" and config.trainer.num_threads > 0:
+        torch.set_num_threads(config.trainer.num_threads)
+    try:
+        with MetricsWriter(run_dir, progress) as writer:
+            while state.step < config.trainer.max_steps:
+                metrics, samples = step_fn(components, state)
+                writer.log(state.step, metrics)
+                writer.log_samples(state.step, samples[: config.logging.samples_per_step])
+                history.append(metrics)
+    finally:
+        if isinstance(components, AsyncRLComponents):
+            components.transport.close()
+        torch.set_num_threads(threads_before)
     final_dir = run_dir / "final"
     save_model(model, final_dir)
     tokenizer.save_pretrained(final_dir)

@@ -71,8 +71,10 @@ class RewardComputer:
 def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
           ) -> tuple[float, dict[str, float], str | None]:
     """Returns (score, named parts, error); a failure scores 0.0."""
+    # A dataset column named like a positional argument must not collide with it.
+    fields = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
     try:
-        value = fn(prompt, completion, **row)
+        value = fn(prompt, completion, **fields)
     except Exception as exc:  # user code: any failure is counted, never raised
         return 0.0, {"": 0.0}, f"{type(exc).__name__}: {exc}"
     if isinstance(value, dict):
@@ -96,6 +98,6 @@ def _as_number(value: Any) -> float | None:
         return None
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return number if math.isfinite(number) else None

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from tether.algorithms.mismatch import staleness_metrics
+from tether.data.cursor import DataCursor
 from tether.data.records import PromptRecord
 from tether.engine.types import Completion, Generator, SamplingParams
 from tether.rewards import RewardComputer
-from tether.data.cursor import DataCursor
 from tether.training.batch import RolloutBatch
 from tether.training.policy import PolicyTrainer
 
@@ -27,6 +28,8 @@ from tether.training.policy import PolicyTrainer
 class LoopState:
     step: int = 0
     policy_version: int = 0
+    num_samples: int = 0  # samples trained on so far
+    num_stale_dropped: int = 0  # groups dropped as too stale (async); their prompts were re-issued
 
 
 @dataclass(slots=True)
@@ -67,7 +70,9 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
     records = c.prompts.take(c.prompts_per_step)
     prompt_ids = [c.encode(r) for r in records]
 
-    completions = c.generator.generate(prompt_ids, c.sampling)  # generate
+    first = state.step * c.prompts_per_step  # a fresh, reproducible seed for every request of the run
+    params = [c.sampling.for_request(first + i) for i in range(len(prompt_ids))]
+    completions = c.generator.generate(prompt_ids, params)  # generate
     gen_s = time.perf_counter() - start
     texts = [c.decode(comp.token_ids) for comp in completions]
     rows = [records[comp.prompt_index] for comp in completions]
@@ -78,16 +83,19 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
     advantages = c.advantage_fn(rewards, group_size)  # advantages
 
     batch = build_rollout_batch(prompt_ids, completions, rewards, advantages, group_size)
+    lags = state.policy_version - torch.tensor([min(comp.versions, default=state.policy_version)
+                                                for comp in completions])  # [B], all 0 on-policy
     train_metrics = c.trainer.train_on(batch)  # loss -> optimizer step
 
     state.policy_version += 1
     state.step += 1
+    state.num_samples += len(completions)
     c.generator.update_weights(c.trainer.model.named_parameters(), state.policy_version)  # weight sync
 
     num_gen_tokens = sum(comp.num_tokens for comp in completions)
     lengths = torch.tensor([float(comp.num_tokens) for comp in completions])
     metrics: dict[str, Any] = {
-        **scored.metrics(), **train_metrics,
+        **scored.metrics(), **train_metrics, **staleness_metrics(lags),
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
         "time/gen_s": gen_s, "time/step_s": time.perf_counter() - start,
         "throughput/gen_tokens_per_s": num_gen_tokens / max(gen_s, 1e-9),

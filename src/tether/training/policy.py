@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tether.algorithms.mismatch import mismatch_metrics
+from tether.algorithms.policy_loss import approx_proximal_logprobs
 from tether.algorithms.registry import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tether.training.batch import RolloutBatch, split_by_tokens
 from tether.training.optim import clip_and_norm
@@ -38,6 +39,7 @@ class PolicyLossSettings:
     epochs_per_batch: int = 1
     correction: str = "none"
     correction_cap: float = 2.0
+    proximal: str = "recompute"  # recompute | loglinear | bypass: see PROXIMAL_MODES
     micro_batch_tokens: int = 4096
     grad_clip: float = 1.0
 
@@ -54,6 +56,29 @@ def aggregation_weights(agg_fn, mask: torch.Tensor) -> torch.Tensor:
     return coeffs  # [B, T]
 
 
+def _proximal_recompute(logp: torch.Tensor, logp_old_all: torch.Tensor | None, logp_behav: torch.Tensor,
+                        versions: torch.Tensor, version: int, epoch: int) -> torch.Tensor:
+    """Pre-update weights: exact. With one epoch they ARE the current weights (logp detached, free)."""
+    return logp.detach() if logp_old_all is None else logp_old_all
+
+
+def _proximal_loglinear(logp: torch.Tensor, logp_old_all: torch.Tensor | None, logp_behav: torch.Tensor,
+                        versions: torch.Tensor, version: int, epoch: int) -> torch.Tensor:
+    """AReaL's log-linear interpolation between behaviour and current (epoch e = version + e); no forward."""
+    return approx_proximal_logprobs(logp_behav, logp, versions, version, version + epoch)
+
+
+def _proximal_bypass(logp: torch.Tensor, logp_old_all: torch.Tensor | None, logp_behav: torch.Tensor,
+                     versions: torch.Tensor, version: int, epoch: int) -> torch.Tensor:
+    """The behaviour log-probs themselves: decoupled PPO becomes plain PPO over behaviour log-probs."""
+    return logp_behav
+
+
+# How the proximal log-probs ``logp_old`` [b, T] of decoupled PPO are obtained (``algorithm.proximal``).
+PROXIMAL_MODES = {"recompute": _proximal_recompute, "loglinear": _proximal_loglinear,
+                  "bypass": _proximal_bypass}
+
+
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, settings: PolicyLossSettings,
@@ -68,6 +93,9 @@ class PolicyTrainer:
         self.aggregate = AGGREGATIONS.get(settings.loss_agg)
         self.correct = CORRECTIONS.get(settings.correction)
         self.kl = KL_ESTIMATORS.get(settings.kl_estimator)
+        self.proximal = PROXIMAL_MODES[settings.proximal]
+        # "none" leaves decoupled PPO its raw behaviour weight instead of overriding it with 1.
+        self.is_identity_correction = self.correct is CORRECTIONS.get("none")
         if settings.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         self.num_optimizer_steps = 0
@@ -90,8 +118,12 @@ class PolicyTrainer:
         return completion_logprobs(model, [batch.prompt_ids[r] for r in rows], completions, self.sampling,
                                    num_cols=batch.mask.shape[1], with_entropy=model is self.model)
 
-    def train_on(self, batch: RolloutBatch) -> dict[str, float]:
-        """Train on one batch; returns the step's metrics (losses, KL, entropy, grad norm, mismatch)."""
+    def train_on(self, batch: RolloutBatch, policy_version: int | None = None) -> dict[str, float]:
+        """Train on one batch; returns the step's metrics (losses, KL, entropy, grad norm, mismatch).
+
+        ``policy_version``: the trainer's version before this batch (default: the batch's newest token
+        version); the ``loglinear`` proximal mode interpolates by version.
+        """
         start = time.perf_counter()
         s = self.settings
         chunks = self._micro_batches(batch)
@@ -100,11 +132,15 @@ class PolicyTrainer:
         logp_ref = self._score_all(self.ref_model, batch, chunks) if s.kl_coef > 0 else None
         # The proximal policy: pre-update weights. One epoch never changes them before the loss is
         # built, so the current log-probs (detached) are exact and the extra forward is skipped.
-        logp_old = self._score_all(self.model, batch, chunks) if s.epochs_per_batch > 1 else None
+        is_recompute = self.proximal is _proximal_recompute
+        is_rescored = s.epochs_per_batch > 1 and is_recompute
+        logp_old = self._score_all(self.model, batch, chunks) if is_rescored else None
+        version = int(batch.versions.max()) if policy_version is None else policy_version
         totals: dict[str, float] = {}
-        for _ in range(s.epochs_per_batch):
+        for epoch in range(s.epochs_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
-            epoch_stats = [self._accumulate(batch, rows, weights, logp_old, logp_ref) for rows in chunks]
+            epoch_stats = [self._accumulate(batch, rows, weights, logp_old, logp_ref, version, epoch)
+                           for rows in chunks]
             grad_norm = clip_and_norm(self.model.parameters(), s.grad_clip)
             self.optimizer.step()
             self.num_optimizer_steps += 1
@@ -118,27 +154,32 @@ class PolicyTrainer:
         return totals
 
     def _accumulate(self, batch: RolloutBatch, rows: list[int], weights: torch.Tensor,
-                    logp_old_all: torch.Tensor | None, logp_ref_all: torch.Tensor | None) -> dict[str, float]:
+                    logp_old_all: torch.Tensor | None, logp_ref_all: torch.Tensor | None,
+                    version: int = 0, epoch: int = 0) -> dict[str, float]:
         s = self.settings
         index = torch.tensor(rows)
         mask = batch.mask[index]  # [b, T]
         logp, entropy = self._logprobs(self.model, batch, rows)  # [b, T] with grad
-        logp_old = logp.detach() if logp_old_all is None else logp_old_all[index]
         logp_behav = batch.behaviour_logprobs[index]
+        logp_old = self.proximal(logp, None if logp_old_all is None else logp_old_all[index], logp_behav,
+                                 batch.versions[index], version, epoch)
         correction = self.correct(logp_old, logp_behav, mask, cap=s.correction_cap)
         is_weights, keep = correction.weights, correction.keep_mask
         advantages = batch.advantages[index].unsqueeze(-1).expand_as(logp)  # [b, T]
         loss_tokens, stats = self.policy_loss(
             logp, logp_old, advantages, keep, logp_behav=logp_behav, clip_low=s.clip_low,
-            clip_high=s.clip_high, is_weights=is_weights)
+            clip_high=s.clip_high, is_weights=None if self.is_identity_correction else is_weights)
         kl_tokens = torch.zeros_like(logp)
         if logp_ref_all is not None:
             kl_tokens = torch.where(mask, self.kl(logp, logp_ref_all[index]), 0.0)
             loss_tokens = loss_tokens + s.kl_coef * kl_tokens
         w = weights[index]
         (w * loss_tokens).sum().backward()
+        loss_tokens, kl_tokens = loss_tokens.detach(), kl_tokens.detach()
         num_tokens = float(mask.sum())
-        out = mismatch_metrics(logp_old, logp_behav, mask, is_weights=is_weights, keep_mask=keep,
+        # Mismatch is trainer vs engine: the pre-update trainer weights, whatever the proximal mode.
+        logp_trainer = logp_old if self.proximal is _proximal_recompute else logp
+        out = mismatch_metrics(logp_trainer, logp_behav, mask, is_weights=is_weights, keep_mask=keep,
                                cap=s.correction_cap)
         out.update({
             "loss/policy": float((w * loss_tokens).sum() - s.kl_coef * (w * kl_tokens).sum()),

@@ -1,0 +1,157 @@
+"""Asynchronous vs synchronous GRPO on the demo task: wall-clock to the same trained samples, reward reached.
+
+    python bench/async_rl.py [--sft-steps 600] [--rl-steps 40] [--variants sync,s1,...] [--out results.json]
+
+One SFT warm start of the demo's model on ``arith`` (``tether.demo``'s configs), then every variant
+starts GRPO from a copy of the same warm-started weights, with the same seed, prompts per step
+(16), group size (8), learning rate and number of RL steps, so every variant trains on the same
+number of samples. Reported per variant: wall-clock of the whole GRPO run (process spawn and
+weight shipping included), speed-up over sync, mean reward over the last quarter of the steps,
+held-out greedy accuracy after RL, and the reward at step checkpoints (the curves side by side).
+
+Async variants run generator and trainer as two processes with one torch thread each; ``sync``
+runs one process with torch's default threads (every core), ``sync_1t`` with one thread.
+
+``--sft-cache DIR`` keeps the warm-started model between invocations (the SFT stage dominates the
+run on a small machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import machine_info  # noqa: E402
+from tether.builders import build_model_and_tokenizer  # noqa: E402
+from tether.config import load_config  # noqa: E402
+from tether.demo import COMMON, GRPO, SFT, held_out_accuracy  # noqa: E402
+from tether.recipes.grpo import run_grpo  # noqa: E402
+from tether.recipes.sft import run_sft  # noqa: E402
+
+ASYNC = ["rollout.mode=async", "rollout.generator_threads=1", "trainer.num_threads=1"]
+VARIANTS: dict[str, list[str]] = {
+    "sync": [],
+    "sync_1t": ["trainer.num_threads=1"],
+    "s1": [*ASYNC, "rollout.max_staleness=1"],
+    "s2": [*ASYNC, "rollout.max_staleness=2"],
+    "s4": [*ASYNC, "rollout.max_staleness=4"],
+    "s2_cut": [*ASYNC, "rollout.max_staleness=2", "rollout.oversample=4"],
+    "s4_cut": [*ASYNC, "rollout.max_staleness=4", "rollout.oversample=4"],
+    "s4_ppo_behav": [*ASYNC, "rollout.max_staleness=4", "algorithm.policy_loss=ppo_clip",
+                     "algorithm.proximal=bypass"],
+}
+
+
+@dataclass(slots=True)
+class VariantResult:
+    name: str
+    overrides: list[str]
+    wall_s: float
+    num_samples: int
+    final_reward: float  # mean reward/mean over the last quarter of the steps
+    accuracy: float  # held-out greedy accuracy after RL
+    reward_curve: list[float]  # reward/mean per step
+    mean_staleness: float
+    steady_step_s: float  # mean time/step_s after the first step (no process start, no first batch)
+
+
+def run_variant(name: str, base_model, tokenizer, rl_steps: int, seed: int, root: Path) -> VariantResult:
+    overrides = [*COMMON, *GRPO, f"seed={seed}", f"trainer.max_steps={rl_steps}", "logging.progress=none",
+                 *VARIANTS[name]]
+    config = load_config(None, overrides)
+    model = copy.deepcopy(base_model)
+    threads = torch.get_num_threads()
+    start = time.perf_counter()
+    result = run_grpo(config, root / name, model, tokenizer)
+    wall_s = time.perf_counter() - start
+    torch.set_num_threads(threads)
+    curve = [m["reward/mean"] for m in result.history]
+    tail = curve[-max(1, len(curve) // 4):]
+    accuracy = held_out_accuracy(model, tokenizer, config).accuracy
+    return VariantResult(name, VARIANTS[name], wall_s, int(result.history[-1].get("num_samples", 0)) or
+                         rl_steps * config.rollout.prompts_per_step * config.rollout.group_size,
+                         statistics.fmean(tail), accuracy, curve,
+                         statistics.fmean(m["staleness/mean"] for m in result.history),
+                         statistics.fmean(m["time/step_s"] for m in result.history[1:]))
+
+
+def warm_start(sft_steps: int, seed: int, root: Path, cache: Path | None):
+    config = load_config(None, [*COMMON, *SFT, f"seed={seed}", f"trainer.max_steps={sft_steps}",
+                                "logging.progress=none"])
+    model, tokenizer = build_model_and_tokenizer(config.model, None, seed)
+    weights = cache / f"sft-{sft_steps}-seed{seed}.pt" if cache else None
+    if weights is not None and weights.exists():
+        model.load_state_dict(torch.load(weights))
+        return model, tokenizer
+    run_sft(config, root / "sft", model, tokenizer)
+    if weights is not None:
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), weights)
+    return model, tokenizer
+
+
+def print_tables(results: list[VariantResult], checkpoints: list[int]) -> None:
+    sync = next((r for r in results if r.name == "sync"), results[0])
+    print("| variant | overrides | wall-clock s | speed-up vs sync | steady s/step | steady speed-up "
+          "| final reward | held-out acc | mean lag |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        extra = " ".join(o for o in r.overrides if o not in ASYNC) or "(sync)"
+        print(f"| {r.name} | `{extra}` | {r.wall_s:.1f} | {sync.wall_s / r.wall_s:.2f}x | "
+              f"{r.steady_step_s:.3f} | {sync.steady_step_s / r.steady_step_s:.2f}x | "
+              f"{r.final_reward:.3f} | {r.accuracy:.1%} | {r.mean_staleness:.2f} |")
+    print("\nreward/mean at step (mean of the 5 steps ending there):")
+    print("| variant | " + " | ".join(str(c) for c in checkpoints) + " |")
+    print("|---|" + "---|" * len(checkpoints))
+    for r in results:
+        cells = [statistics.fmean(r.reward_curve[max(0, c - 5):c]) for c in checkpoints]
+        print(f"| {r.name} | " + " | ".join(f"{v:.3f}" for v in cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sft-steps", type=int, default=600)
+    parser.add_argument("--rl-steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--sft-cache", default=None, help="directory keeping the warm-started weights")
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    info = machine_info()
+    print(f"machine: {info.describe()}, load average {info.load_average:.2f}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        start = time.perf_counter()
+        model, tokenizer = warm_start(args.sft_steps, args.seed, root,
+                                      Path(args.sft_cache) if args.sft_cache else None)
+        print(f"SFT warm start: {args.sft_steps} steps in {time.perf_counter() - start:.0f}s", flush=True)
+        results = []
+        for name in names:
+            results.append(run_variant(name, model, tokenizer, args.rl_steps, args.seed, root))
+            r = results[-1]
+            print(f"{name}: {r.wall_s:.1f}s, final reward {r.final_reward:.3f}, accuracy {r.accuracy:.1%}",
+                  flush=True)
+    checkpoints = sorted({max(5, args.rl_steps * k // 4) for k in range(1, 5)})
+    print_tables(results, checkpoints)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": asdict(info), "args": vars(args),
+                                              "results": [asdict(r) for r in results]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

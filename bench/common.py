@@ -1,0 +1,96 @@
+"""Shared benchmark helpers: what machine this is, how fast its matmuls are, and step timing.
+
+Every tether benchmark reports a ratio against a peer measured in the same run, plus the figures
+a reader needs to place the run: CPU model, torch threads and the measured fp32 matmul GFLOP/s
+(a 1024x1024 matmul is the yardstick: small enough to run anywhere in well under a second, large
+enough to be compute-bound, so it says how much compute the run had, whatever else was loaded).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MATMUL_SIZE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class MachineInfo:
+    cpu_model: str
+    num_cpus: int
+    num_threads: int  # torch.get_num_threads() when measured
+    matmul_gflops: float  # fp32, MATMUL_SIZE x MATMUL_SIZE
+    torch_version: str
+    python_version: str
+    date_utc: str  # ISO date and time of the measurement
+    load_average: float  # 1-minute load average: other processes compete for the same cores
+
+    def describe(self) -> str:
+        return (f"{self.cpu_model}, {self.num_cpus} CPUs, torch {self.torch_version} with "
+                f"{self.num_threads} threads, fp32 matmul {self.matmul_gflops:.1f} GFLOP/s")
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    num_steps: int
+    mean_s: float
+    median_s: float
+    min_s: float
+
+    @classmethod
+    def of(cls, times_s: list[float]) -> StepStats:
+        if not times_s:
+            raise ValueError("no timed steps: ask for at least one step after warm-up")
+        return cls(len(times_s), statistics.fmean(times_s), statistics.median(times_s), min(times_s))
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def measure_matmul_gflops(size: int = MATMUL_SIZE, min_time_s: float = 0.5) -> float:
+    """Best fp32 GFLOP/s of ``size x size`` matmuls over repeated runs (best, not mean: other
+    processes on a shared machine only ever slow a run down, so the best is the machine's speed)."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator)
+    b = torch.randn(size, size, generator=generator)
+    out = torch.empty(size, size)
+    torch.matmul(a, b, out=out)  # warm-up: thread pool start, page faults
+    flops = 2.0 * size**3
+    best_s = float("inf")
+    deadline = time.perf_counter() + min_time_s
+    num_runs = 0
+    while num_runs < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        best_s = min(best_s, time.perf_counter() - start)
+        num_runs += 1
+    return flops / best_s / 1e9
+
+
+def machine_info(min_time_s: float = 0.5) -> MachineInfo:
+    return MachineInfo(
+        cpu_model=cpu_model(), num_cpus=os.cpu_count() or 1, num_threads=torch.get_num_threads(),
+        matmul_gflops=measure_matmul_gflops(min_time_s=min_time_s), torch_version=torch.__version__,
+        python_version=platform.python_version(),
+        date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        load_average=os.getloadavg()[0])
+
+
+def set_threads(num_threads: int) -> None:
+    """Fix torch's intra-op threads (0 keeps torch's default: one per physical core)."""
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)

@@ -1,0 +1,351 @@
+"""tether's rollout engine against transformers' generation, on a GRPO-shaped workload, in one run.
+
+    python bench/engine_throughput.py [--threads 2] [--repeats 2] [--quick]
+
+Workload: ``num_prompts`` random prompts of 32-128 tokens, ``num_samples`` samples each, every sample
+with its own length budget drawn uniformly from [16, 256] (the same budgets for every system). Every
+sample generates exactly its budget (no EOS stop: ``ignore_eos``), so a system's *useful tokens* are
+the sum of the budgets, whatever it computes beyond them. One random Qwen2-shaped checkpoint (~38M
+parameters, vocabulary 32000) is written by transformers; tether loads that checkpoint. fp32, CPU,
+multinomial sampling at temperature 1.0, top_p 1.0, no top-k on every side.
+
+Systems, each timed ``repeats`` times (best kept: other processes only ever slow a run down):
+
+* tether ``LLMEngine.generate``: continuous batching over a paged KV pool;
+* transformers ``model.generate`` (sdpa): one static batch of all rows, left-padded, running to the
+  longest budget; tokens past a row's budget are computed but not useful;
+* transformers continuous batching (``attn_implementation="paged|sdpa"``, the machinery behind
+  ``generate_batch``), driven through its manager so each request carries its own ``max_new_tokens``.
+
+Then the same with uniform budgets (every sample 256 tokens), tether vs ``generate``, and tether's
+decode throughput in FLOP/s against the machine's fp32 matmul rate (``decode_flops_per_token``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from common import machine_info, set_threads  # noqa: E402
+from helpers.hf_tiny import make_hf_model  # noqa: E402
+from tether.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from tether.models.checkpoint import load_model  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    num_prompts: int = 16
+    num_samples: int = 8  # per prompt (a GRPO group)
+    min_prompt_tokens: int = 32
+    max_prompt_tokens: int = 128
+    min_budget: int = 16
+    max_budget: int = 256
+    vocab_size: int = 32000
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    intermediate_size: int = 1536
+    decode_batch: int = 128  # rows of the FLOP/s measurement
+    decode_steps: int = 32
+    threads: int = 2
+    repeats: int = 2
+    seed: int = 0
+    skip_hf_paged: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_prompts * self.num_samples
+
+
+QUICK = dict(num_prompts=2, num_samples=2, min_prompt_tokens=8, max_prompt_tokens=16, min_budget=4,
+             max_budget=12, vocab_size=1024, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+             decode_batch=8, decode_steps=4, repeats=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prompts: list[list[int]]  # [P] prompts of random ids
+    budgets: list[int]  # [P * S] new tokens of each sample, prompt-major
+
+    @property
+    def num_useful_tokens(self) -> int:
+        return sum(self.budgets)
+
+    def with_budget(self, budget: int) -> Workload:
+        return Workload(self.prompts, [budget] * len(self.budgets))
+
+
+def make_workload(s: BenchSettings) -> Workload:
+    rng = random.Random(s.seed)
+    lengths = [rng.randint(s.min_prompt_tokens, s.max_prompt_tokens) for _ in range(s.num_prompts)]
+    prompts = [[rng.randrange(3, s.vocab_size) for _ in range(length)] for length in lengths]
+    budgets = [rng.randint(s.min_budget, s.max_budget) for _ in range(s.num_rows)]
+    return Workload(prompts, budgets)
+
+
+def best_time(run: Callable[[], int], repeats: int) -> tuple[float, int]:
+    """(fastest wall time of ``repeats`` runs, tokens the run generated)."""
+    best_s, num_tokens = float("inf"), 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        num_tokens = run()
+        best_s = min(best_s, time.perf_counter() - start)
+    return best_s, num_tokens
+
+
+# ---------------------------------------------------------------------------------------------- tether
+
+
+def tether_engine(model: torch.nn.Module, s: BenchSettings) -> LLMEngine:
+    max_len = s.max_prompt_tokens + s.max_budget
+    block_size = 16
+    num_blocks = s.num_rows * -(-max_len // block_size) + s.num_prompts  # every row at full length
+    config = EngineConfig(block_size=block_size, max_num_seqs=max(s.num_rows, s.decode_batch),
+                          max_num_batched_tokens=4096, num_kv_blocks=num_blocks, max_model_len=max_len + 1)
+    return LLMEngine(model, config=config)
+
+
+def run_tether(engine: LLMEngine, w: Workload, s: BenchSettings) -> int:
+    """Generate every sample to exactly its budget; returns the tokens generated."""
+    engine.block_manager.flush_prefix_cache()  # every run prefills its prompts, as the first one did
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=s.max_budget, n=s.num_samples)
+    request_ids = [engine.add_request(prompt, params) for prompt in w.prompts]
+    # A sample's own budget: the group shares a prompt (one prefill) but each sample stops on its own,
+    # the way GRPO samples end at different EOS positions.
+    for index, request_id in enumerate(request_ids):
+        for seq in engine._requests[request_id]:
+            budget = w.budgets[index * s.num_samples + seq.sample_index]
+            seq.params = dataclasses.replace(params, max_new_tokens=budget, n=1)
+    num_tokens = 0
+    while engine.has_unfinished():
+        num_tokens += sum(c.num_tokens for c in engine.step())
+    return num_tokens
+
+
+def decode_flops_per_token(model: torch.nn.Module, context_len: float) -> float:
+    """FLOPs to decode one token: 2 x (non-embedding parameters) for the matmuls of the layers,
+    2 x hidden x vocab for the LM head, and 4 x layers x context x (heads x head_dim) for attention
+    (q.k scores plus the weighted sum of values over ``context_len`` keys)."""
+    cfg = model.config
+    layer_params = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
+    attention = 4 * cfg.num_hidden_layers * context_len * cfg.num_attention_heads * cfg.head_dim
+    return 2 * layer_params + 2 * cfg.hidden_size * cfg.vocab_size + attention
+
+
+def measure_decode(engine: LLMEngine, s: BenchSettings) -> tuple[float, float, int]:
+    """Decode-only steps at batch ``decode_batch``: (seconds per step, mean context length, rows)."""
+    rng = random.Random(s.seed + 1)
+    params = SamplingParams(max_new_tokens=s.decode_steps + 2)
+    for _ in range(s.decode_batch):
+        engine.add_request([rng.randrange(3, s.vocab_size) for _ in range(s.max_prompt_tokens)], params)
+    engine.step()  # the prefill (and first token) of every row
+    times_s, contexts = [], []
+    for _ in range(s.decode_steps):
+        contexts.append(sum(seq.num_tokens for seq in engine.scheduler.running) / s.decode_batch)
+        start = time.perf_counter()
+        engine.step()
+        times_s.append(time.perf_counter() - start)
+    while engine.has_unfinished():
+        engine.step()
+    best = sorted(times_s)[: max(1, len(times_s) // 2)]  # the faster half: steps hit by other load drop out
+    return sum(best) / len(best), sum(contexts) / len(contexts), s.decode_batch
+
+
+# ----------------------------------------------------------------------------------------- transformers
+
+
+def hf_sampling(model: torch.nn.Module, max_new_tokens: int) -> object:
+    from transformers import GenerationConfig
+
+    # eos_token_id=None: no row stops early, as ignore_eos; top_k=0 turns off transformers' default 50.
+    return GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                            max_new_tokens=max_new_tokens, eos_token_id=None,
+                            pad_token_id=model.config.pad_token_id)
+
+
+def run_hf_generate(model: torch.nn.Module, w: Workload, s: BenchSettings) -> int:
+    """One static batch of every sample, left-padded; returns the *useful* tokens (within budgets)."""
+    rows = [prompt for prompt in w.prompts for _ in range(s.num_samples)]
+    width = max(map(len, rows))
+    pad = model.config.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # [R, width]
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                         generation_config=hf_sampling(model, max(w.budgets)))
+    num_generated = out.shape[1] - width
+    return sum(min(budget, num_generated) for budget in w.budgets)
+
+
+def run_hf_paged(model: torch.nn.Module, w: Workload, s: BenchSettings) -> tuple[float, int]:
+    """transformers' continuous batching (``generate_batch``'s manager), one request per sample with
+    its own ``max_new_tokens``; returns (seconds from the first request to the last result, tokens).
+
+    Starting the manager (KV allocation, warm-up) is left out of the time, as tether's engine set-up
+    is; its cache is sized like tether's pool (every row at full length)."""
+    from transformers import ContinuousBatchingConfig
+
+    rows = [prompt for prompt in w.prompts for _ in range(s.num_samples)]
+    page_size = 256
+    max_len = s.max_prompt_tokens + s.max_budget
+    num_pages = len(rows) * -(-max_len // page_size) + 8
+    cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_pages, max_batch_tokens=4096,
+                                         seed=s.seed)
+    generation = hf_sampling(model, max(w.budgets))
+    num_tokens = 0
+    with model.continuous_batching_context_manager(generation_config=generation, block=True, timeout=30,
+                                                   continuous_batching_config=cb_config) as manager:
+        start = time.perf_counter()
+        for i, (row, budget) in enumerate(zip(rows, w.budgets)):
+            manager.add_request(row, request_id=f"r{i}", max_new_tokens=budget, eos_token_id=-1)
+        num_left = len(rows)
+        while num_left:
+            result = manager.get_result(timeout=120)
+            if result is None:
+                raise RuntimeError("no result from transformers continuous batching for 120 s")
+            if result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(result.error)
+                num_tokens += len(result.generated_tokens)
+                num_left -= 1
+        seconds = time.perf_counter() - start
+    return seconds, num_tokens
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def build_models(s: BenchSettings, directory: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(tether ``Decoder``, transformers model with sdpa attention), the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf = make_hf_model("qwen2", seed=s.seed, vocab_size=s.vocab_size, hidden_size=s.hidden_size,
+                       num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                       intermediate_size=s.intermediate_size)
+    hf.save_pretrained(directory)
+    tether = load_model(directory).eval()
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa")
+    hf = hf.eval()
+    return tether, hf
+
+
+def line(name: str, seconds: float, useful: int) -> str:
+    return f"{name:42} {useful:7d} useful tokens in {seconds:7.2f} s = {useful / seconds:8.1f} tokens/s"
+
+
+class Printer:
+    """Prints each result line as soon as it is known (a long run shows progress)."""
+
+    def append(self, text: str) -> None:
+        print(text, flush=True)
+
+    def extend(self, texts: list[str]) -> None:
+        for text in texts:
+            self.append(text)
+
+
+def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: Workload) -> None:
+    out = Printer()
+    engine = tether_engine(tether, s)
+    run_tether(engine, w.with_budget(s.min_budget), s)  # warm-up: allocator, thread pool
+    t_s, t_tokens = best_time(lambda: run_tether(engine, w, s), s.repeats)
+    assert t_tokens == w.num_useful_tokens, (t_tokens, w.num_useful_tokens)
+    out.append(line("tether LLMEngine (mixed budgets)", t_s, t_tokens))
+    run_hf_generate(hf, w.with_budget(s.min_budget), s)  # the same warm-up
+    g_s, g_tokens = best_time(lambda: run_hf_generate(hf, w, s), s.repeats)
+    out.append(line("transformers generate (mixed budgets)", g_s, g_tokens))
+    out.append(f"ratio tether / generate (mixed budgets): {(t_tokens / t_s) / (g_tokens / g_s):.2f}")
+    if s.skip_hf_paged:
+        out.append("transformers continuous batching: skipped (--skip-hf-paged)")
+    else:
+        out.extend(compare_hf_paged(s, hf, w, t_tokens / t_s))
+    uniform = w.with_budget(s.max_budget)
+    u_s, u_tokens = best_time(lambda: run_tether(engine, uniform, s), s.repeats)
+    out.append(line("tether LLMEngine (uniform budgets)", u_s, u_tokens))
+    h_s, h_tokens = best_time(lambda: run_hf_generate(hf, uniform, s), s.repeats)
+    out.append(line("transformers generate (uniform budgets)", h_s, h_tokens))
+    out.append(f"ratio tether / generate (uniform budgets): {(u_tokens / u_s) / (h_tokens / h_s):.2f}")
+
+
+def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload, tether_rate: float) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        paged = AutoModelForCausalLM.from_pretrained(hf.name_or_path, dtype=torch.float32,
+                                                     attn_implementation="paged|sdpa").eval()
+        p_s, p_tokens = min(run_hf_paged(paged, w, s) for _ in range(s.repeats))
+    except Exception as error:  # report why it cannot run here, and go on with the rest
+        message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        return [f"transformers continuous batching: cannot run: {message}",
+                "ratio tether / generate_batch: n/a"]
+    return [line("transformers continuous batching (paged|sdpa)", p_s, p_tokens),
+            f"ratio tether / generate_batch: {tether_rate / (p_tokens / p_s):.2f}"]
+
+
+def decode_flops_report(s: BenchSettings, tether: torch.nn.Module, matmul_gflops: float) -> list[str]:
+    engine = tether_engine(tether, s)
+    step_s, context_len, rows = measure_decode(engine, s)
+    flops = decode_flops_per_token(tether, context_len)
+    gflops = flops * rows / step_s / 1e9
+    return [f"decode at batch {rows}, mean context {context_len:.0f}: {step_s * 1e3:.1f} ms/step, "
+            f"{flops / 1e6:.1f} MFLOP/token (2 x layer params + 2 x hidden x vocab + "
+            f"4 x layers x context x heads x head_dim)",
+            f"decode achieved {gflops:.1f} GFLOP/s vs fp32 matmul {matmul_gflops:.1f} GFLOP/s: "
+            f"ratio {gflops / matmul_gflops:.2f}"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> BenchSettings:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    d = BenchSettings()
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: torch default)")
+    p.add_argument("--repeats", type=int, default=None, help=f"runs per system, best kept ({d.repeats})")
+    p.add_argument("--quick", action="store_true", help="a tiny model and workload: a smoke test")
+    p.add_argument("--skip-hf-paged", action="store_true", help="leave out transformers' continuous batching")
+    p.add_argument("--seed", type=int, default=d.seed)
+    a = p.parse_args(argv)
+    s = BenchSettings(**QUICK) if a.quick else d
+    repeats = a.repeats if a.repeats is not None else s.repeats
+    if repeats < 1 or a.threads < 0:
+        p.error(f"--repeats must be >= 1 and --threads >= 0, got {repeats}, {a.threads}")
+    return dataclasses.replace(s, threads=a.threads, repeats=repeats, seed=a.seed,
+                               skip_hf_paged=a.skip_hf_paged)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    s = parse_args(argv)
+    set_threads(s.threads)
+    torch.manual_seed(s.seed)
+    machine = machine_info()
+    w = make_workload(s)
+    with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
+        tether, hf = build_models(s, Path(tmp) / "ckpt")
+        num_params = sum(p.numel() for p in tether.parameters())
+        print(f"machine: {machine.describe()}", flush=True)
+        print(f"date: {machine.date_utc}; load average (1 min) at start: {machine.load_average:.2f}",
+              flush=True)
+        print(f"model: qwen2 {num_params / 1e6:.1f}M parameters, hidden {s.hidden_size} x {s.num_layers} "
+              f"layers, "
+              f"vocab {s.vocab_size}, fp32; workload: {s.num_prompts} prompts x {s.num_samples} samples, "
+              f"prompts {s.min_prompt_tokens}-{s.max_prompt_tokens} tokens, budgets {s.min_budget}-"
+              f"{s.max_budget} ({w.num_useful_tokens} useful tokens); best of {s.repeats}", flush=True)
+        with torch.inference_mode():
+            compare(s, tether, hf, w)
+            Printer().extend(decode_flops_report(s, tether, machine.matmul_gflops))
+    print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

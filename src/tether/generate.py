@@ -1,0 +1,75 @@
+"""``tether generate``: sample completions for a JSONL file of prompts with the rollout engine.
+
+Output: one JSON line per sample with ``prompt_index``, ``sample_index``, ``text``, ``token_ids``,
+``logprobs``, ``finish_reason`` (plus ``error`` for a request that could not be served). A prompts
+line may override ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from tether.builders import DTYPES
+from tether.data.loading import load_prompts
+from tether.data.records import PromptRecord
+from tether.engine.config import EngineConfig
+from tether.engine.engine import LLMEngine
+from tether.engine.types import SamplingParams
+from tether.errors import DataError
+from tether.models.checkpoint import load_model
+from tether.models.tokenizer import encode_prompt, load_tokenizer
+
+OVERRIDABLE = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
+               "seed": int}
+
+
+def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> SamplingParams:
+    """The CLI's sampling settings, overridden by the prompt line's own fields."""
+    values = dict(base)
+    for key, kind in OVERRIDABLE.items():
+        if key in record.fields:
+            value = record.fields[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+                raise DataError(f"{where}:{record.index + 1}: field '{key}' must be {kind.__name__}, got {value!r}")
+            values[key] = kind(value)
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        raise DataError(f"{where}:{record.index + 1}: {exc}") from None
+
+
+def build_engine(args: argparse.Namespace, tokenizer: Any) -> LLMEngine:
+    dtype = DTYPES[args.dtype]
+    model = load_model(args.model, dtype=dtype)
+    draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
+    speculative = "draft" if draft is not None else args.speculative
+    eos = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+    config = EngineConfig(stop_token_ids=eos, seed=args.seed, speculative=speculative,
+                          num_speculative_tokens=args.num_speculative_tokens)
+    return LLMEngine(model, tokenizer=tokenizer, config=config, draft_model=draft)
+
+
+def run_generate(args: argparse.Namespace) -> Path:
+    tokenizer = load_tokenizer(args.model)
+    records = load_prompts(args.prompts)
+    base = {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed,
+            "stop_strings": tuple(args.stop)}
+    params = [request_params(r, base, args.prompts) for r in records]
+    engine = build_engine(args, tokenizer)
+    completions = engine.generate([encode_prompt(tokenizer, r.prompt) for r in records], params)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for c in completions:
+            line = {"prompt_index": c.prompt_index, "sample_index": c.sample_index,
+                    "text": tokenizer.decode(c.token_ids, skip_special_tokens=True), "token_ids": c.token_ids,
+                    "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            if c.error:
+                line["error"] = c.error
+            f.write(json.dumps(line) + "\n")
+    print(f"wrote {len(completions)} samples for {len(records)} prompts to {out}", flush=True)
+    return out

@@ -1,0 +1,124 @@
+"""The trainer-side driver of asynchronous RL: one step reads top to bottom.
+
+    collect a batch within the staleness bound -> advantages -> train -> publish weights
+
+The generator role runs elsewhere (``GeneratorTransport``: another process, or the same thread
+in tests and sync mode) and never waits for the trainer beyond what the capacity controller
+allows; the trainer waits only for data. Lag, the staleness bound and the capacity rule are
+defined in ``tether.rollout.buffer`` and ``tether.rollout.staleness``; the timeline is drawn in
+``docs/async.md``. All loop state lives in ``LoopState``, the buffer and the components'
+``state_dict``s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tether.algorithms.mismatch import staleness_metrics
+from tether.rewards.compute import RewardResult
+from tether.rollout.buffer import GroupRollout, RolloutBuffer
+from tether.rollout.local_backend import GeneratorTransport
+from tether.rollout.sync_loop import LoopState, build_rollout_batch
+from tether.training.batch import RolloutBatch
+from tether.training.policy import PolicyTrainer
+
+
+@dataclass(slots=True)
+class AsyncRLComponents:
+    transport: GeneratorTransport
+    trainer: PolicyTrainer
+    buffer: RolloutBuffer
+    advantage_fn: Callable[..., torch.Tensor]  # registry entry: (rewards[B], group_size) -> [B]
+    groups_per_batch: int
+    group_size: int
+    poll_timeout_s: float = 0.5
+    max_wait_s: float = 600.0  # no finished group for this long: the generator is stuck
+
+
+def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
+    """Wait until ``groups_per_batch`` groups are consumable at the current version.
+
+    Groups too stale to train on are dropped and their prompts re-issued, never silently skipped.
+    """
+    last_progress = time.monotonic()
+    while True:
+        take = c.buffer.take_batch(c.groups_per_batch, state.policy_version)
+        if take.stale:
+            state.num_stale_dropped += len(take.stale)
+            c.transport.reissue([g.record for g in take.stale])
+        if take.groups is not None:
+            return take.groups
+        groups = c.transport.poll(c.poll_timeout_s)
+        if groups:
+            c.buffer.add(groups)
+            last_progress = time.monotonic()
+        elif time.monotonic() - last_progress > c.max_wait_s:
+            raise TimeoutError(
+                f"no rollout group finished in {c.max_wait_s:.0f}s (buffer holds {len(c.buffer)}, need "
+                f"{c.groups_per_batch}; {c.transport.counters.num_filtered} groups filtered by dynamic "
+                "sampling)")
+
+
+def merge_scores(groups: list[GroupRollout]) -> RewardResult:
+    """The groups' rewards as one ``RewardResult`` over all their samples, in group order."""
+    totals = [t for g in groups for t in g.scores.totals]
+    names = list(dict.fromkeys(name for g in groups for name in g.scores.components))
+    components = {name: [s for g in groups
+                         for s in g.scores.components.get(name, [0.0] * len(g.scores.totals))]
+                  for name in names}
+    num_errors: dict[str, int] = {}
+    for g in groups:
+        for name, count in g.scores.num_errors.items():
+            num_errors[name] = num_errors.get(name, 0) + count
+    first_error = next((g.scores.first_error for g in groups if g.scores.first_error), None)
+    return RewardResult(totals, components, num_errors, first_error)
+
+
+def groups_to_batch(groups: list[GroupRollout], advantage_fn: Callable[..., torch.Tensor], group_size: int,
+                    scores: RewardResult) -> RolloutBatch:
+    completions = []
+    for index, group in enumerate(groups):
+        for completion in group.completions:
+            completion.prompt_index = index  # rows of group i point at prompt i
+            completions.append(completion)
+    rewards = torch.tensor(scores.totals, dtype=torch.float32)  # [B * G]
+    advantages = advantage_fn(rewards, group_size)  # [B * G], groups consecutive
+    return build_rollout_batch([g.prompt_ids for g in groups], completions, rewards, advantages, group_size)
+
+
+def async_rl_step(c: AsyncRLComponents, state: LoopState) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One trainer step of asynchronous RL; returns (metrics, samples)."""
+    start = time.perf_counter()
+    groups = collect_batch(c, state)  # the only wait: for data
+    wait_s = time.perf_counter() - start
+    scores = merge_scores(groups)
+    batch = groups_to_batch(groups, c.advantage_fn, c.group_size, scores)  # advantages
+    lags = torch.tensor([lag for g in groups for lag in g.lags(state.policy_version)])  # [B * G]
+    train_metrics = c.trainer.train_on(batch, policy_version=state.policy_version)  # loss -> optimizer step
+
+    state.policy_version += 1
+    state.step += 1
+    state.num_samples += batch.num_seqs
+    c.transport.publish_weights(c.trainer.model.named_parameters(), state.policy_version)  # weight sync
+
+    lengths = batch.mask.sum(dim=1).float()  # [B * G]
+    step_s = time.perf_counter() - start
+    counters = c.transport.counters
+    metrics: dict[str, Any] = {
+        **scores.metrics(), **train_metrics, **staleness_metrics(lags),
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "time/wait_s": wait_s, "time/step_s": step_s,
+        "throughput/gen_tokens_per_s": float(lengths.sum()) / max(step_s, 1e-9),
+        "rollout/num_stale_dropped": state.num_stale_dropped, "rollout/num_filtered": counters.num_filtered,
+        "rollout/num_aborted": counters.num_aborted, "rollout/num_reissued": counters.num_reissued,
+        "rollout/buffer_size": len(c.buffer), "policy_version": state.policy_version,
+        "num_samples": state.num_samples,
+    }
+    samples = [{"prompt": g.record.prompt, "completion": g.texts[0], "reward": g.scores.totals[0],
+                "lag": g.lags(state.policy_version - 1)[0]} for g in groups]
+    return metrics, samples

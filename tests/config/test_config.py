@@ -1,0 +1,237 @@
+"""Config: defaults, YAML + overrides, one-line errors that name the key, the saved resolved config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tether.config import ExperimentConfig, load_config, parse_override, save_resolved
+from tether.errors import ConfigError
+from tether.runs import create_run_dir
+
+
+def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def config_error(path: Path | None = None, overrides: list[str] | None = None) -> str:
+    """The message of the ConfigError that loading raises; asserts it is a single line."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides or [])
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+# --- values -----------------------------------------------------------------------------------
+
+
+def test_defaults_validate_and_match_the_schema():
+    config = load_config()
+    assert config == ExperimentConfig()
+    assert config.recipe == "grpo"
+    assert config.trainer.lr == 1e-4
+    assert config.trainer.betas == (0.9, 0.999)
+    assert [r.fn for r in config.rewards] == ["task"]
+
+
+def test_empty_yaml_file_is_all_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == ExperimentConfig()
+
+
+def test_yaml_values_then_overrides_win(tmp_path):
+    path = write(tmp_path, "recipe: sft\ntrainer:\n  lr: 3e-4\n  max_steps: 7\nname: from-yaml\n")
+    config = load_config(path, ["trainer.max_steps=9", "name=from-cli"])
+    assert config.recipe == "sft"
+    assert config.trainer.lr == pytest.approx(3e-4)  # YAML 1.1 reads 3e-4 as text; pydantic coerces it
+    assert config.trainer.max_steps == 9
+    assert config.name == "from-cli"
+    assert config.trainer.schedule == "constant"  # untouched siblings keep their defaults
+
+
+@pytest.mark.parametrize(
+    ("override", "attribute", "expected"),
+    [
+        ("trainer.max_steps=12", ("trainer", "max_steps"), 12),
+        ("trainer.lr=3e-4", ("trainer", "lr"), 3e-4),
+        ("trainer.lr=0.25", ("trainer", "lr"), 0.25),
+        ("model.scratch.tie_word_embeddings=false", ("model", "scratch", "tie_word_embeddings"), False),
+        ("model.scratch.tie_word_embeddings=true", ("model", "scratch", "tie_word_embeddings"), True),
+        ("trainer.betas=[0.8, 0.95]", ("trainer", "betas"), (0.8, 0.95)),
+        ("data.task_options={num_digits: 2, operators: '+-'}", ("data", "task_options"),
+         {"num_digits": 2, "operators": "+-"}),
+        ("data.task=null", ("data", "task"), None),
+        ("model.path=", ("model", "path"), None),
+        ("name=a=b", ("name",), "a=b"),  # only the first '=' splits key from value
+    ],
+)
+def test_override_values_are_read_as_yaml(override, attribute, expected):
+    config = load_config(None, [override])
+    value = config
+    for name in attribute:
+        value = getattr(value, name)
+    if isinstance(expected, float):
+        assert value == pytest.approx(expected)
+    else:
+        assert value == expected
+
+
+def test_override_a_list_of_sections_with_yaml_flow_syntax():
+    config = load_config(None, ["rewards=[{fn: exact_match, weight: 0.5}, {fn: task}]"])
+    assert [(r.fn, r.weight) for r in config.rewards] == [("exact_match", 0.5), ("task", 1.0)]
+
+
+def test_override_replaces_a_yaml_section_value_without_dropping_siblings(tmp_path):
+    path = write(tmp_path, "rollout:\n  group_size: 4\n  temperature: 0.7\n")
+    config = load_config(path, ["rollout.group_size=2"])
+    assert (config.rollout.group_size, config.rollout.temperature) == (2, 0.7)
+
+
+def test_parse_override_reads_exponent_floats_as_numbers():
+    assert parse_override("trainer.lr=3e-4") == ("trainer.lr", 3e-4)
+    config = load_config(None, ["data.task_options={scale: 3e-4}"])
+    assert config.data.task_options["scale"] == pytest.approx(3e-4)
+
+
+# --- one-line errors naming the key -------------------------------------------------------------
+
+
+def test_misspelt_key_names_the_closest_valid_key():
+    message = config_error(overrides=["trainer.max_step=3"])
+    assert "unknown key 'trainer.max_step'" in message
+    assert "did you mean 'trainer.max_steps'" in message
+
+
+def test_misspelt_section_names_the_closest_section():
+    message = config_error(overrides=["trainr.lr=1"])
+    assert "unknown key 'trainr'" in message and "did you mean 'trainer'" in message
+
+
+def test_misspelt_key_in_yaml_names_file_and_closest_key(tmp_path):
+    path = write(tmp_path, "rollout:\n  temprature: 0.5\n")
+    message = config_error(path)
+    assert str(path) in message
+    assert "rollout.temprature" in message and "rollout.temperature" in message
+
+
+def test_wrong_type_names_key_and_expected_type():
+    message = config_error(overrides=["trainer.max_steps=abc"])
+    assert message == "config: trainer.max_steps: expected an integer, got 'abc'"
+    assert "trainer.lr: expected a number" in config_error(overrides=["trainer.lr=fast"])
+    assert "expected true or false" in config_error(overrides=["model.scratch.tie_word_embeddings=maybe"])
+
+
+def test_out_of_range_names_the_bound():
+    assert config_error(overrides=["trainer.max_steps=0"]) == "config: trainer.max_steps: must be >= 1, got 0"
+    assert "rollout.top_p: must be <= 1" in config_error(overrides=["rollout.top_p=2"])
+    assert "trainer.lr: must be > 0" in config_error(overrides=["trainer.lr=-1e-3"])
+
+
+def test_literal_lists_the_allowed_values():
+    message = config_error(overrides=["recipe=ppo"])
+    assert message.startswith("config: recipe: must be one of")
+    assert "'sft'" in message and "'grpo'" in message and "'ppo'" in message
+    message = config_error(overrides=["model.dtype=float64"])
+    assert "model.dtype" in message and "'bfloat16'" in message
+
+
+def test_cross_field_check_names_the_section():
+    message = config_error(overrides=["model.scratch.num_heads=3"])
+    assert "model.scratch" in message and "num_heads must be a multiple of num_kv_heads" in message
+
+
+def test_missing_required_key_inside_a_list():
+    assert "rewards.0.fn: required key is missing" in config_error(overrides=["rewards=[{weight: 1}]"])
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    assert config_error(missing) == f"config file not found: {missing}"
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    path = write(tmp_path, "trainer:\n  lr: 1\n  betas: [0.9, 0.99\n")
+    message = config_error(path)
+    assert message.startswith(f"{path}:")
+    assert message.split(":")[1].isdigit()
+
+
+@pytest.mark.parametrize(("text", "kind"), [("- 1\n- 2\n", "list"), ("just text\n", "str"), ("3\n", "int")])
+def test_top_level_must_be_a_mapping(tmp_path, text, kind):
+    path = write(tmp_path, text)
+    assert config_error(path) == f"{path}: the top level must be a mapping of keys, got {kind}"
+
+
+@pytest.mark.parametrize("item", ["trainer.lr", "=3", " =3"])
+def test_override_without_key_or_equals(item):
+    message = config_error(overrides=[item])
+    assert message.startswith(f"override {item!r}: expected KEY=VALUE")
+
+
+def test_overriding_a_leaf_from_yaml_as_a_section(tmp_path):
+    path = write(tmp_path, "trainer:\n  lr: 0.1\n")
+    message = config_error(path, ["trainer.lr.value=3"])
+    assert message == "trainer.lr: is a value, not a section (override trainer.lr.value)"
+
+
+def test_overriding_a_default_leaf_as_a_section_names_the_leaf():
+    assert config_error(overrides=["trainer.lr.value=3"]).startswith("config: trainer.lr: expected a number")
+
+
+def test_overriding_a_section_with_a_value():
+    assert config_error(overrides=["trainer=5"]) == "config: trainer: expected a mapping of keys, got 5"
+
+
+def test_long_values_are_shortened_to_keep_one_line():
+    message = config_error(overrides=["trainer.max_steps=" + "x" * 500])
+    assert len(message) < 160 and message.endswith("...")
+
+
+def test_union_error_names_the_user_key_only():
+    message = config_error(overrides=["data.task_options.k=[1]"])
+    assert "data.task_options.k:" in message
+    assert ".int" not in message
+
+
+def test_non_finite_learning_rate_is_rejected():
+    assert "trainer.lr" in config_error(overrides=["trainer.lr=.inf"])
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path):
+    path = write(tmp_path, "name: first\nrecipe: sft\nname: second\n")
+    message = config_error(path)
+    assert "name" in message and "duplicate" in message
+
+
+def test_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    assert str(path) in config_error(path)
+
+
+# --- the resolved config of a run -----------------------------------------------------------------
+
+
+def test_save_resolved_loads_back_equal(tmp_path):
+    config = load_config(None, ["recipe=sft", "trainer.lr=3e-4", "trainer.betas=[0.8, 0.9]",
+                                "data.task_options={num_digits: 2}",
+                                "rewards=[{fn: exact_match, weight: 2}]"])
+    path = save_resolved(config, tmp_path)
+    assert path == tmp_path / "config.yaml"
+    assert load_config(path) == config
+
+
+def test_create_run_dir_saves_config_and_refuses_an_existing_run(tmp_path):
+    config = load_config(None, ["name=exp", f"logging.run_root={tmp_path / 'runs'}"])
+    run_dir = create_run_dir(config)
+    assert run_dir.parent == tmp_path / "runs" and run_dir.name.startswith("exp-")
+    assert load_config(run_dir / "config.yaml") == config
+    second = create_run_dir(config)  # same second: a separate directory, never the same one
+    assert second != run_dir
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="already holds a run") as info:
+        create_run_dir(config, out=run_dir)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,78 @@
+import pytest
+import torch
+
+from tether.engine.attention import KVCache, PagedAttention, SeqSpan, _split_by_length, build_step_metadata
+
+NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 6, 8, 4
+
+
+def reference(q, k, v, start, window):
+    """q [n, Hq, D] at positions start.., k/v [start + n, Hkv, D] -> [n, Hq, D], plain softmax attention."""
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
+    q_pos = torch.arange(start, start + q.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= q_pos - k_pos < window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_mixed_prefill_and_decode_step_matches_reference(window):
+    torch.manual_seed(0)
+    # (cached tokens, new tokens): decodes with short and long contexts, fresh and continued prefills
+    layout = [
+        (0, 5),
+        (7, 1),
+        (30, 1),
+        (3, 1),
+        (9, 4),
+        (0, 1),
+        (12, 1),
+        (40, 1),
+        (2, 1),
+        (5, 1),
+        (33, 1),
+        (1, 1),
+    ]
+    num_blocks = 64
+    cache = KVCache.allocate(
+        1, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")
+    )
+    free = torch.randperm(num_blocks).tolist()  # scattered blocks, as after a while of serving
+    spans, full_k, full_v = [], [], []
+    for cached, num_new in layout:
+        total = cached + num_new
+        table = [free.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        k, v = torch.randn(total, NUM_KV_HEADS, HEAD_DIM), torch.randn(total, NUM_KV_HEADS, HEAD_DIM)
+        for pos in range(cached):  # what earlier steps wrote
+            cache.k[0, table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = k[pos]
+            cache.v[0, table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = v[pos]
+        spans.append(SeqSpan(cached, num_new, table))
+        full_k.append(k)
+        full_v.append(v)
+    meta = build_step_metadata(spans, BLOCK_SIZE, window, torch.float32, torch.device("cpu"))
+    assert len(meta.groups) >= 3  # decodes were split by length, plus the prefill group
+    num_tokens = sum(n for _, n in layout)
+    q = torch.randn(1, num_tokens, NUM_Q_HEADS, HEAD_DIM)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, layout)])[None]
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, layout)])[None]
+    attn = PagedAttention(cache, meta, sliding_window_layers=(0,) if window else ())
+    out = attn.attend(0, q, new_k, new_v)[0]
+    offset = 0
+    for (cached, num_new), k, v in zip(layout, full_k, full_v):
+        expected = reference(q[0, offset : offset + num_new], k, v, cached, window)
+        torch.testing.assert_close(out[offset : offset + num_new], expected, atol=1e-5, rtol=1e-5)
+        offset += num_new
+
+
+def test_split_by_length_groups_short_and_long_rows():
+    spans = [SeqSpan(start, 1, []) for start in [3, 100, 4, 98, 5, 99, 2, 101, 6, 97]]
+    groups = _split_by_length(list(range(10)), spans, num_splits=1)
+    assert sorted(map(sorted, groups)) == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    even = [SeqSpan(50, 1, []) for _ in range(10)]
+    assert _split_by_length(list(range(10)), even, num_splits=2) == [list(range(10))]

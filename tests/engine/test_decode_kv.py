@@ -1,0 +1,81 @@
+"""``DecodeKV``: decode rows read contiguous copies of their KV; the engine must not notice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.hf_tiny import make_hf_checkpoint
+from tether.engine import EngineConfig, LLMEngine, SamplingParams
+from tether.engine.attention import DecodeKV, KVCache, SeqSpan
+from tether.models import load_model
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2", seed=5)
+
+
+def _generate(path, use_decode_kv: bool, num_kv_blocks: int) -> list:
+    config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=24)
+    engine = LLMEngine(load_model(path), config=config)
+    if not use_decode_kv:
+        engine.runner.decode_kv.max_tokens = 0  # every step over the cap: gather from the pool
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 47)), [44], [5, 6, 7, 8, 9, 60]]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=m, seed=7 + m, n=3) for m in (9, 14, 5, 20, 11)]
+    return engine.generate(prompts, params), engine.stats
+
+
+@pytest.mark.parametrize("num_kv_blocks", [200, 24])  # 24: the pool runs out, sequences get preempted
+def test_engine_samples_the_same_with_and_without_decode_kv(model_path, num_kv_blocks):
+    with_copies, stats = _generate(model_path, True, num_kv_blocks)
+    gathered, _ = _generate(model_path, False, num_kv_blocks)
+    if num_kv_blocks == 24:
+        assert stats.num_preemptions > 0  # the refill path after a recompute is exercised
+    for a, b in zip(with_copies, gathered):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def _pool_context(pool: KVCache, span: SeqSpan, length: int) -> torch.Tensor:
+    """Layer 0 keys of ``span``'s first ``length`` tokens, gathered by hand: [Hkv, length, D]."""
+    rows = [pool.k[0, span.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE] for p in range(length)]
+    return torch.stack(rows, dim=1)
+
+
+def test_assign_keeps_continuing_rows_compacts_and_refills():
+    pool = KVCache.allocate(1, 16, BLOCK_SIZE, 2, 8, torch.float32, torch.device("cpu"))
+    pool.k.copy_(torch.randn(pool.k.shape))
+    decode_kv = DecodeKV(pool, max_tokens=1000)
+    tables = [[0, 1, 2], [3, 4], [5, 6, 7]]
+    spans = [SeqSpan(9, 1, tables[0]), SeqSpan(2, 3, tables[1]), SeqSpan(5, 1, tables[1]),
+             SeqSpan(6, 1, tables[2])]
+    order = decode_kv.assign(spans, pool, BLOCK_SIZE)
+    assert order == [0, 2, 3]  # decode rows only (span 1 is a prefill chunk), in slot order
+    for slot, row in enumerate(order):  # filled from the pool: the tokens before the new one
+        start = spans[row].start
+        assert torch.equal(decode_kv.k[0, slot, :, :start], _pool_context(pool, spans[row], start))
+    marker = decode_kv.k[0, 2].clone()
+    # Next step: row 0 finished, the others continue one token further: tables[2] moves to slot 0.
+    spans = [SeqSpan(6, 1, tables[1]), SeqSpan(7, 1, tables[2])]
+    assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [1, 0]
+    assert decode_kv.lengths[:2] == [8, 7]
+    assert torch.equal(decode_kv.k[0, 0], marker)
+    # A new row joins: the two continuing rows keep their slots, the new one is filled.
+    spans = [SeqSpan(7, 1, tables[1]), SeqSpan(3, 1, [8]), SeqSpan(8, 1, tables[2])]
+    assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [2, 0, 1]
+    assert torch.equal(decode_kv.k[0, 2, :, :3], _pool_context(pool, spans[1], 3))
+    # A row whose start does not continue its slot (rolled back) is refilled from the pool.
+    pool.k[0, 4] += 1.0
+    spans = [SeqSpan(5, 1, tables[1])]
+    assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [0]
+    assert torch.equal(decode_kv.k[0, 0, :, :5], _pool_context(pool, spans[0], 5))
+
+
+def test_assign_over_the_memory_cap_falls_back_to_the_pool():
+    pool = KVCache.allocate(1, 16, BLOCK_SIZE, 2, 8, torch.float32, torch.device("cpu"))
+    decode_kv = DecodeKV(pool, max_tokens=8)
+    spans = [SeqSpan(9, 1, [0, 1, 2])]  # needs 12 token slots
+    assert decode_kv.assign(spans, pool, BLOCK_SIZE) is None

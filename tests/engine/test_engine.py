@@ -1,0 +1,289 @@
+"""End-to-end engine tests on tiny random checkpoints, against transformers and full forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers.hf_tiny import FAMILIES, make_hf_checkpoint
+from tether.algorithms.logprobs import process_logits
+from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
+from tether.errors import CheckpointError, ConfigError
+from tether.models import build_char_tokenizer, load_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42], [44]]
+SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, max_new_tokens=10, seed=1234, n=2)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {family: make_hf_checkpoint(root / family, family, seed=3) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def qwen2_path(checkpoints):
+    return checkpoints["qwen2"]
+
+
+def make_engine(path, **overrides) -> LLMEngine:
+    config = EngineConfig(**{"num_kv_blocks": 128, "block_size": 4, **overrides})
+    return LLMEngine(load_model(path), config=config)
+
+
+def full_forward_logprobs(hf, completion: Completion, params: SamplingParams) -> torch.Tensor:
+    ids = torch.tensor([completion.prompt_ids + completion.token_ids])
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(completion.prompt_ids) - 1 : -1]  # [n, V]
+    processed = process_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    return processed.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_generate(checkpoints, family):
+    path = checkpoints[family]
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
+    engine = make_engine(path, max_num_batched_tokens=12)  # small budget: chunks and decodes mixed
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    completions = engine.generate(PROMPTS, params)
+    for prompt, completion in zip(PROMPTS, completions):
+        expected = hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+        assert completion.token_ids == expected
+        assert completion.finish_reason == "length" and completion.versions == [0] * 12
+        reference = full_forward_logprobs(hf, completion, params)
+        assert torch.allclose(torch.tensor(completion.logprobs), reference, atol=1e-4)
+
+
+def test_sampled_logprobs_equal_a_full_forward(qwen2_path):
+    hf = AutoModelForCausalLM.from_pretrained(qwen2_path, attn_implementation="eager").float().eval()
+    completions = make_engine(qwen2_path).generate(PROMPTS, SAMPLED)
+    assert [(c.prompt_index, c.sample_index) for c in completions] == [
+        (i, j) for i in range(4) for j in range(2)
+    ]
+    assert completions[0].token_ids != completions[1].token_ids  # two samples of one prompt differ
+    for completion in completions:
+        reference = full_forward_logprobs(hf, completion, SAMPLED)
+        assert torch.allclose(torch.tensor(completion.logprobs), reference, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"enable_prefix_caching": False},
+        {"max_num_batched_tokens": 3},  # tiny budget: every prompt is chunked
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": 512, "max_model_len": 512},
+        {"num_kv_blocks": 8, "block_size": 4},  # tiny pool: preemption and recompute
+    ],
+    ids=["no-prefix-cache", "chunked", "no-chunking", "preemption"],
+)
+def test_results_do_not_depend_on_scheduling(qwen2_path, overrides):
+    reference = make_engine(qwen2_path).generate(PROMPTS, SAMPLED)
+    engine = make_engine(qwen2_path, **overrides)
+    completions = engine.generate(PROMPTS, SAMPLED)
+    for got, expected in zip(completions, reference):
+        assert got.token_ids == expected.token_ids
+        assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+    if "num_kv_blocks" in overrides:
+        assert engine.stats.num_preemptions > 0
+
+
+def test_group_prefills_its_prompt_once(qwen2_path):
+    for is_caching in (True, False):
+        engine = make_engine(qwen2_path, enable_prefix_caching=is_caching)
+        prompt = list(range(3, 25))  # 22 tokens: 5 full blocks and a partial one
+        params = SamplingParams(temperature=1.0, max_new_tokens=6, n=8, seed=7)
+        completions = engine.generate([prompt], params)
+        assert engine.stats.num_prefill_tokens == len(prompt)
+        assert len(completions) == 8 and len({tuple(c.token_ids) for c in completions}) > 1
+        assert engine.stats.num_preemptions == 0
+
+
+def test_second_request_hits_the_prefix_cache(qwen2_path):
+    engine = make_engine(qwen2_path)
+    prompt = list(range(3, 25))
+    first = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=4))
+    second = engine.generate([prompt + [50]], SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert engine.stats.num_prefix_hit_tokens == 20  # five full blocks of the shared prompt
+    assert engine.stats.num_prefill_tokens == len(prompt) + 3  # only the tail block was recomputed
+    fresh = make_engine(qwen2_path).generate(
+        [prompt + [50]], SamplingParams(temperature=0.0, max_new_tokens=4)
+    )
+    assert second[0].token_ids == fresh[0].token_ids and first[0].finish_reason == "length"
+
+
+def test_same_seed_same_sample_in_any_batch(qwen2_path):
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=99)
+    alone = make_engine(qwen2_path).generate([PROMPTS[1]], params)[0]
+    others = SamplingParams(temperature=0.7, max_new_tokens=5, seed=5)
+    batch = make_engine(qwen2_path).generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others, params, others])
+    assert batch[1].token_ids == alone.token_ids
+
+
+def test_incremental_api_and_abort(qwen2_path):
+    engine = make_engine(qwen2_path)
+    keep = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=6))
+    drop = engine.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=50, n=3))
+    engine.step()
+    engine.step()
+    engine.abort([drop])
+    finished: list[Completion] = []
+    while engine.has_unfinished():
+        finished.extend(engine.step())
+    by_reason = sorted((c.request_id, c.finish_reason) for c in finished)
+    assert by_reason == [(keep, "length"), (drop, "abort"), (drop, "abort"), (drop, "abort")]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_stop_token_and_stop_string(qwen2_path):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    tokens = make_engine(qwen2_path).generate([PROMPTS[0]], greedy)[0].token_ids
+    stop_at = tokens[4]
+    first_index = tokens.index(stop_at)
+    stopped = make_engine(qwen2_path).generate(
+        [PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_at,))
+    )[0]
+    assert stopped.token_ids == tokens[: first_index + 1] and stopped.finish_reason == "stop"
+    tokenizer = build_char_tokenizer()
+    text = tokenizer.decode(tokens[2:4])
+    engine = LLMEngine(load_model(qwen2_path), tokenizer=tokenizer, config=EngineConfig(num_kv_blocks=64))
+    by_string = engine.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=12, stop_strings=(text,))
+    )
+    assert by_string[0].finish_reason == "stop"
+    assert text in tokenizer.decode(by_string[0].token_ids) and len(by_string[0].token_ids) <= 4
+
+
+def test_weight_update_changes_outputs_and_stamps_versions(qwen2_path):
+    engine = make_engine(qwen2_path)
+    model = engine.model
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    before = engine.generate([PROMPTS[0]], params)[0]
+    request = engine.add_request(PROMPTS[2], params)
+    engine.step()  # prompt computed, first token sampled under version 0
+    engine.step()  # second token
+    head = model.lm_head.weight
+    update = [("lm_head.weight", head.flip(0).clone()), ("model.norm.weight", model.model.norm.weight * 1.5)]
+    storage = head.data_ptr()
+    assert engine.block_manager.num_cached_blocks > 0
+    engine.update_weights(update, version=3)
+    assert engine.block_manager.num_cached_blocks == 0  # flushed: no new request reuses stale KV
+    assert model.lm_head.weight.data_ptr() == storage  # copied in place, not rebuilt
+    finished = []
+    while engine.has_unfinished():
+        finished.extend(engine.step())
+    assert finished[0].request_id == request
+    assert finished[0].versions == [0, 0] + [3] * 6
+    after = engine.generate([PROMPTS[0]], params)[0]
+    assert after.versions == [3] * 8 and after.token_ids != before.token_ids
+    assert engine.block_manager.num_cached_blocks > 0  # the flushed cache refills under the new weights
+    with pytest.raises(CheckpointError, match="no parameter named 'nope'"):
+        engine.update_weights([("nope", head)], version=4)
+
+
+def test_recompute_kv_on_update_matches_a_fresh_run(qwen2_path):
+    engine = make_engine(qwen2_path, recompute_kv_on_update=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    engine.add_request(PROMPTS[0], params)
+    engine.step()
+    new_weights = [(name, p.detach() * 1.1) for name, p in engine.model.named_parameters()]
+    engine.update_weights(new_weights, version=1)
+    assert engine.stats.num_preemptions == 1
+    finished = []
+    while engine.has_unfinished():
+        finished.extend(engine.step())
+    fresh = make_engine(qwen2_path)
+    fresh.update_weights(new_weights, version=1)
+    continuation = fresh.generate(
+        [PROMPTS[0] + finished[0].token_ids[:1]], SamplingParams(temperature=0.0, max_new_tokens=5)
+    )
+    assert finished[0].token_ids[1:] == continuation[0].token_ids
+    assert finished[0].logprobs[1:] == pytest.approx(continuation[0].logprobs, abs=1e-4)
+
+
+def test_bad_requests_fail_alone(qwen2_path):
+    engine = make_engine(qwen2_path, num_kv_blocks=16, max_model_len=40)
+    prompts = [[], [5, 6, 1000], list(range(3, 45)), [5, 6, 7], [5, 6, 7]]
+    params = [
+        SamplingParams(max_new_tokens=4),
+        SamplingParams(max_new_tokens=4),
+        SamplingParams(max_new_tokens=4),
+        SamplingParams(max_new_tokens=4, stop_strings=("x",)),  # no tokenizer given
+        SamplingParams(temperature=0.0, max_new_tokens=4),
+    ]
+    completions = engine.generate(prompts, params)
+    assert [c.finish_reason for c in completions] == ["error"] * 4 + ["length"]
+    errors = [c.error for c in completions[:4]]
+    assert (
+        "empty" in errors[0]
+        and "1000" in errors[1]
+        and "max_model_len" in errors[2]
+        and "tokenizer" in errors[3]
+    )
+    assert all("\n" not in e for e in errors) and completions[4].num_tokens == 4
+    assert completions[0].prompt_ids == [] and completions[1].prompt_ids == [5, 6, 1000]
+    small = make_engine(qwen2_path, num_kv_blocks=2, block_size=4)
+    too_big = small.generate([[5, 6, 7], [5]], SamplingParams(temperature=0.0, max_new_tokens=20))
+    assert too_big[0].finish_reason == "error" and "KV blocks" in too_big[0].error
+
+
+def test_bad_config_is_a_config_error(qwen2_path):
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        make_engine(qwen2_path, enable_chunked_prefill=False, max_num_batched_tokens=16)
+    with pytest.raises(ConfigError, match="block_size"):
+        EngineConfig(block_size=0)
+
+
+def test_sliding_window_matches_transformers(tmp_path):
+    path = make_hf_checkpoint(tmp_path / "mistral", "mistral", seed=5, sliding_window=4)
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
+    engine = make_engine(path, max_num_batched_tokens=5)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    for prompt, completion in zip(PROMPTS, engine.generate(PROMPTS, params)):
+        expected = hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+        assert completion.token_ids == expected
+
+
+def test_pool_sized_from_a_byte_budget(qwen2_path):
+    model = load_model(qwen2_path)
+    # 2 layers x 2 KV heads x head_dim 16 x fp32, k and v: 512 bytes per token, 2 KiB per block of 4
+    engine = LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=10 * 2048 + 100))
+    assert engine.block_manager.num_blocks == 10
+    assert tuple(engine.runner.cache.k.shape) == (2, 10, 4, 2, 16)
+
+
+def test_greedy_and_sampled_requests_share_a_batch(qwen2_path):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    alone = make_engine(qwen2_path).generate([PROMPTS[0]], greedy)[0]
+    mixed = make_engine(qwen2_path).generate([PROMPTS[0], PROMPTS[1]], [greedy, SAMPLED])
+    assert mixed[0].token_ids == alone.token_ids and len(mixed) == 3
+
+
+def test_group_finishing_at_its_first_token_frees_everything(qwen2_path):
+    engine = make_engine(qwen2_path)
+    completions = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=1, n=4, seed=3))
+    assert [c.num_tokens for c in completions] == [1] * 4 and [c.sample_index for c in completions] == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_unfinished()
+
+
+def test_many_requests_through_a_tiny_pool_and_budget(qwen2_path):
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(1 + (5 * i) % 17)] for i in range(12)]
+    params = [
+        SamplingParams(temperature=0.8, max_new_tokens=4 + i % 5, n=1 + i % 3, seed=i) for i in range(12)
+    ]
+    reference = make_engine(qwen2_path).generate(prompts, params)
+    engine = make_engine(qwen2_path, num_kv_blocks=12, max_num_batched_tokens=7, max_num_seqs=5)
+    completions = engine.generate(prompts, params)
+    assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
+    assert engine.stats.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == 12 and not engine.has_unfinished()

@@ -1,0 +1,109 @@
+import math
+
+import pytest
+import torch
+
+from tether.algorithms.logprobs import process_logits
+from tether.engine.sampler import Sampler, finish_reason
+from tether.engine.sequence import Sequence
+from tether.engine.types import SamplingParams
+
+
+def generators(*seeds: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_greedy_takes_argmax_and_reports_raw_logprob():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=0.0)] * 2
+    result = Sampler().sample(logits, params, generators(0, 0))
+    assert result.token_ids == [1, 0]
+    expected = [2.0 - math.log(1 + math.exp(2) + math.e), 3.0 - math.log(math.exp(3) + 2)]
+    assert result.logprobs == pytest.approx(expected, abs=1e-6)
+
+
+def test_sampled_frequencies_follow_the_distribution():
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))[None].repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    result = Sampler().sample(logits, params, generators(*range(4000)))
+    counts = torch.bincount(torch.tensor(result.token_ids), minlength=4).float() / 4000
+    assert torch.allclose(counts, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.03)
+    assert result.logprobs[0] == pytest.approx(math.log([0.1, 0.2, 0.3, 0.4][result.token_ids[0]]), abs=1e-5)
+
+
+def test_top_k_never_samples_outside_and_logprob_matches_process_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50)
+    params = [SamplingParams(temperature=0.7, top_k=3, top_p=0.9)] * 64
+    result = Sampler().sample(logits, params, generators(*range(64)))
+    top3 = logits.topk(3, dim=-1).indices
+    assert all(t in top3[i].tolist() for i, t in enumerate(result.token_ids))
+    expected = process_logits(logits, 0.7, 3, 0.9, 0.0).gather(-1, torch.tensor(result.token_ids)[:, None])
+    assert torch.allclose(torch.tensor(result.logprobs), expected.squeeze(-1), atol=1e-6)
+
+
+def test_mixed_settings_in_one_batch_use_each_rows_own():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 30)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.5, min_p=0.2),
+        SamplingParams(top_k=1),
+    ]
+    result = Sampler().sample(logits, params, generators(1, 2, 3))
+    assert result.token_ids[0] == int(logits[0].argmax()) and result.token_ids[2] == int(logits[2].argmax())
+    row = process_logits(logits[1:2], 0.5, 0, 1.0, 0.2)[0]
+    assert result.logprobs[1] == pytest.approx(float(row[result.token_ids[1]]), abs=1e-6)
+    assert result.logprobs[2] == pytest.approx(0.0, abs=1e-6)  # top-1 leaves one token, prob 1
+
+
+def test_a_rows_sample_does_not_depend_on_the_rest_of_the_batch():
+    torch.manual_seed(2)
+    logits = torch.randn(5, 40)
+    params = [SamplingParams(temperature=1.3)] * 5
+    alone = Sampler().sample(logits[2:3], params[:1], generators(77))
+    batched = Sampler().sample(logits, params, generators(1, 2, 77, 4, 5))
+    assert batched.token_ids[2] == alone.token_ids[0]
+
+
+def make_seq(prompt: list[int], params: SamplingParams, stop_ids=()) -> Sequence:
+    return Sequence(0, 0, 0, list(prompt), len(prompt), params, frozenset(stop_ids), torch.Generator())
+
+
+class CharTokenizer:
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(ord("a") + t) for t in token_ids)
+
+
+def test_finish_reasons():
+    seq = make_seq([1, 2], SamplingParams(max_new_tokens=3), stop_ids=[9])
+    seq.append_token(4, -1.0, 0)
+    assert finish_reason(seq, max_model_len=100, tokenizer=None) is None
+    seq.append_token(9, -1.0, 0)
+    assert finish_reason(seq, 100, None) == "stop"
+    long = make_seq([1, 2], SamplingParams(max_new_tokens=2))
+    long.append_token(4, -1.0, 0)
+    assert finish_reason(long, 3, None) == "length"  # max_model_len reached before max_new_tokens
+    long.append_token(5, -1.0, 0)
+    assert finish_reason(long, 100, None) == "length"
+
+
+def test_stop_string_spanning_tokens_and_ignoring_the_prompt():
+    # prompt decodes to "cd": a stop string inside the prompt must not stop the completion
+    seq = make_seq([2, 3], SamplingParams(stop_strings=("cd", "xyz")))
+    seq.append_token(23, -1.0, 0)  # "x"
+    assert finish_reason(seq, 100, CharTokenizer()) is None
+    seq.append_token(24, -1.0, 0)  # "y"
+    assert finish_reason(seq, 100, CharTokenizer()) is None
+    seq.append_token(25, -1.0, 0)  # "z"
+    assert finish_reason(seq, 100, CharTokenizer()) == "stop"
+
+
+def test_large_vocab_samples_only_surviving_tokens_at_the_right_rates():
+    logits = torch.full((3000, 1000), -5.0)
+    logits[:, 3], logits[:, 700] = torch.log(torch.tensor(0.3)) + 10, torch.log(torch.tensor(0.7)) + 10
+    params = [SamplingParams(temperature=1.0, top_k=2)] * 3000
+    result = Sampler().sample(logits, params, generators(*range(3000)))
+    tokens = torch.tensor(result.token_ids)
+    assert set(tokens.tolist()) == {3, 700}
+    assert (tokens == 700).float().mean().item() == pytest.approx(0.7, abs=0.03)

@@ -1,0 +1,324 @@
+"""Speculative decoding: exact greedy output, the target's distribution and log-probs, under any scheduling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers.hf_tiny import make_hf_checkpoint
+from tether.algorithms.logprobs import process_logits
+from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
+from tether.engine.speculative import NgramProposer, accept_drafts, accept_greedy, ngram_lookup
+from tether.errors import ConfigError
+from tether.models import load_model
+
+# Repetitive prompts give prompt lookup something to find; lengths differ so spans differ.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [20, 21, 22], list(range(30, 43)) + [30, 31], [44]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
+SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, max_new_tokens=10, seed=1234, n=2)
+# Upper 0.1% points of the chi-square distribution, by degrees of freedom (scipy is not installed).
+CHI2_CRITICAL_0_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12,
+                       9: 27.88, 10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("spec")
+    return {
+        "target": make_hf_checkpoint(root / "target", "qwen2", seed=3),
+        "draft": make_hf_checkpoint(root / "draft", "qwen2", seed=5, num_layers=1, hidden_size=32),
+        "tiny_target": make_hf_checkpoint(root / "tt", "llama", vocab_size=10, hidden_size=32, seed=11,
+                                          with_tokenizer=False),
+        "tiny_draft": make_hf_checkpoint(root / "td", "llama", vocab_size=10, hidden_size=32, seed=12,
+                                         num_layers=1, with_tokenizer=False),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf(paths):
+    return AutoModelForCausalLM.from_pretrained(paths["target"], attn_implementation="eager").float().eval()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(paths) -> list[Completion]:
+    """Non-speculative greedy completions of PROMPTS, 20 tokens, two samples each."""
+    return make_engine(paths["target"]).generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=20, n=2))
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf) -> list[list[int]]:
+    """transformers' own greedy continuations of PROMPTS, 16 tokens."""
+    return [
+        hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p in PROMPTS
+    ]
+
+
+def make_engine(path, speculative=None, draft_path=None, **overrides) -> LLMEngine:
+    config = EngineConfig(
+        **{"num_kv_blocks": 128, "block_size": 4, "speculative": speculative, "num_speculative_tokens": 3,
+           **overrides}
+    )  # fmt: skip
+    draft = load_model(draft_path) if draft_path is not None else None
+    return LLMEngine(load_model(path), config=config, draft_model=draft)
+
+
+# Three proposers: prompt lookup; a different (weaker) draft model, mostly rejected; the target as its
+# own draft, always accepted for greedy (exercises the bonus token).
+PROPOSERS = {"ngram": ("ngram", None), "draft": ("draft", "draft"), "self-draft": ("draft", "target")}
+
+
+def spec_engine(paths, proposer: str, path_key: str = "target", **overrides) -> LLMEngine:
+    method, draft_key = PROPOSERS[proposer]
+    draft_path = paths[draft_key] if draft_key is not None else None
+    return make_engine(paths[path_key], method, draft_path, **overrides)
+
+
+def full_forward_logprobs(hf, completion: Completion, params: SamplingParams) -> torch.Tensor:
+    ids = torch.tensor([completion.prompt_ids + completion.token_ids])
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(completion.prompt_ids) - 1 : -1]  # [n, V]
+    processed = process_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    return processed.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------- proposers
+
+
+def test_ngram_lookup_finds_the_most_recent_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
+    # last 2 tokens (2, 3) occur at 1..2 (then 9) and 5..6 (then 4, 5, 7): the most recent wins.
+    assert ngram_lookup(tokens, n_max=4, n_min=1, num_tokens=3) == [4, 5, 7]
+    assert ngram_lookup([1, 2, 3, 1, 2, 4, 2], n_max=3, n_min=1, num_tokens=2) == [4, 2]  # only n=1 hits
+    assert ngram_lookup([1, 2, 3, 4], n_max=3, n_min=1, num_tokens=2) == []
+    assert ngram_lookup([5, 5, 5], n_max=2, n_min=2, num_tokens=4) == [5]  # the follower may be the tail
+    assert ngram_lookup([3, 1, 3, 2], n_max=2, n_min=2, num_tokens=4) == []  # n_min respected
+
+
+def test_ngram_proposer_caps_at_the_slots_given():
+    from tether.engine.sequence import Sequence
+
+    seq = Sequence(0, 0, 0, [1, 2, 3, 4, 1, 2], 6, GREEDY, frozenset(), torch.Generator())
+    proposals = NgramProposer(n_max=3, n_min=1, num_tokens=4).propose([seq, seq], [4, 1], [])
+    assert [p.token_ids for p in proposals] == [[3, 4, 1, 2], [3]] and proposals[0].draft_probs is None
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match="engine.speculative must be one of"):
+        EngineConfig(speculative="medusa")
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be >= 1"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(ConfigError, match="ngram_min"):
+        EngineConfig(speculative="ngram", ngram_min=3, ngram_max=2)
+
+
+def test_draft_model_must_match(paths):
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        make_engine(paths["target"], "draft")
+    with pytest.raises(ConfigError, match="set it to 'draft'"):
+        make_engine(paths["target"], None, paths["draft"])
+    with pytest.raises(ConfigError, match="vocab_size 10 differs"):
+        make_engine(paths["target"], "draft", paths["tiny_draft"])
+
+
+# ---------------------------------------------------------------------------- the acceptance test
+
+
+def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of integer ``samples`` against ``probs`` [V]; cells expecting < 5 are pooled."""
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    is_small = expected < 5
+    if is_small.any():
+        counts = torch.cat([counts[~is_small], counts[is_small].sum()[None]])
+        expected = torch.cat([expected[~is_small], expected[is_small].sum()[None]])
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token with zero probability was emitted"
+    statistic = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
+    return statistic, int(keep.sum()) - 1
+
+
+def assert_distributed_as(samples: torch.Tensor, probs: torch.Tensor) -> None:
+    statistic, dof = chi_square(samples, probs)
+    assert statistic < CHI2_CRITICAL_0_001[dof], f"chi2={statistic:.1f} with {dof} dof"
+
+
+@pytest.mark.parametrize("is_point_mass", [False, True], ids=["draft-q", "ngram-point-mass"])
+def test_accepted_tokens_follow_the_target_distribution(is_point_mass):
+    num_samples, vocab_size, k = 20_000, 8, 2
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(k + 1, vocab_size, generator=gen) * 1.5, dim=-1)  # [K + 1, V]
+    q = torch.softmax(torch.randn(k, vocab_size, generator=gen) * 1.5, dim=-1)  # [K, V]
+    p[0, 3] = 0.0  # a token the target never emits (top-k filtered), even if drafted
+    p = p / p.sum(-1, keepdim=True)
+    if is_point_mass:  # prompt lookup: always the same draft tokens
+        draft_ids = torch.tensor([[2, 5]]).expand(num_samples, k)
+        draft_probs = None
+    else:  # each row drafts its own tokens from q
+        draft_ids = torch.stack([torch.multinomial(q[i], num_samples, True, generator=gen) for i in range(k)], 1)
+        draft_probs = q.expand(num_samples, k, vocab_size)
+    verdict = accept_drafts(
+        p.log().expand(num_samples, k + 1, vocab_size),
+        draft_ids,
+        torch.full((num_samples,), k),
+        draft_probs,
+        torch.zeros(num_samples, dtype=torch.bool),
+        torch.rand(num_samples, k + 1, generator=gen),
+    )
+    first = verdict.token_ids[:, 0]
+    assert_distributed_as(first, p[0])
+    # The second token, given the first was the accepted draft d_1, follows p_1 (the target at
+    # position 1, which in this test does not depend on d_1).
+    is_second = verdict.num_accepted >= 1
+    assert is_second.sum() > 1000
+    assert_distributed_as(verdict.token_ids[is_second, 1], p[1])
+    # A naive "always accept" would put all mass on the drafts: make sure rejections happened.
+    assert 0 < (verdict.num_accepted == 0).float().mean() < 1
+    assert torch.allclose(verdict.logprobs[:, 0], p[0].log()[first])
+
+
+def test_greedy_acceptance_is_argmax_match():
+    logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 5.0]]] * 3)  # [3, K + 1 = 3, V]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    draft_ids = torch.tensor([[1, 0], [1, 2], [2, 0]])  # all right; second wrong; first wrong
+    verdict = accept_drafts(
+        logprobs, draft_ids, torch.tensor([2, 2, 2]), None, torch.ones(3, dtype=torch.bool), torch.rand(3, 3)
+    )
+    assert verdict.num_accepted.tolist() == [2, 1, 0]
+    assert [row[: n + 1] for row, n in zip(verdict.token_ids.tolist(), verdict.num_accepted.tolist())] == [
+        [1, 0, 2],  # bonus token argmax p_2
+        [1, 0],  # argmax p_1 replaces the wrong draft
+        [1],
+    ]
+    fast = accept_greedy(logprobs, draft_ids, torch.tensor([2, 2, 2]))  # the all-greedy fast path
+    assert fast.num_accepted.tolist() == verdict.num_accepted.tolist()
+    for row, n in enumerate(verdict.num_accepted.tolist()):
+        assert fast.token_ids[row, : n + 1].tolist() == verdict.token_ids[row, : n + 1].tolist()
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_greedy_output_is_identical_to_plain_and_transformers(paths, hf, hf_greedy, plain_greedy, proposer):
+    engine = spec_engine(paths, proposer, max_num_batched_tokens=10)  # drafts share the budget with chunks
+    completions = engine.generate(PROMPTS, GREEDY)
+    for got, expected, reference in zip(completions, plain_greedy[::2], hf_greedy):
+        assert got.token_ids == expected.token_ids[:16] and got.finish_reason == "length"
+        assert got.token_ids == reference
+        assert torch.allclose(torch.tensor(got.logprobs), full_forward_logprobs(hf, got, GREEDY), atol=1e-4)
+        assert got.versions == [0] * 16
+    stats = engine.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert stats.num_generated_tokens == 16 * len(PROMPTS)
+    if proposer == "self-draft":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert stats.num_steps < 16  # several tokens per step
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_sampled_logprobs_equal_a_full_forward(paths, hf, proposer):
+    engine = spec_engine(paths, proposer)
+    completions = engine.generate(PROMPTS, SAMPLED)
+    assert [(c.prompt_index, c.sample_index) for c in completions] == [(i, j) for i in range(4) for j in range(2)]
+    for completion in completions:
+        assert completion.num_tokens == 10 and completion.versions == [0] * 10
+        reference = full_forward_logprobs(hf, completion, SAMPLED)
+        assert torch.allclose(torch.tensor(completion.logprobs), reference, atol=1e-4)
+    assert engine.stats.num_draft_tokens > 0
+    again = spec_engine(paths, proposer).generate(PROMPTS, SAMPLED)  # per-request seeds: reproducible
+    assert [c.token_ids for c in again] == [c.token_ids for c in completions]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"enable_prefix_caching": False},
+        {"max_num_batched_tokens": 3},  # chunked prompts; lookahead capped by the budget
+        {"num_kv_blocks": 10, "block_size": 4},  # tiny pool: preemption and recompute
+    ],
+    ids=["no-prefix-cache", "tiny-budget", "preemption"],
+)
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_greedy_does_not_depend_on_scheduling(paths, plain_greedy, proposer, overrides):
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, n=2)
+    engine = spec_engine(paths, proposer, **overrides)
+    completions = engine.generate(PROMPTS, params)
+    for got, expected in zip(completions, plain_greedy):
+        assert got.token_ids == expected.token_ids
+        assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+    if "num_kv_blocks" in overrides:
+        assert engine.stats.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self-draft"])
+def test_prefix_cache_hits_with_speculation(paths, proposer):
+    engine = spec_engine(paths, proposer)
+    prompt = list(range(3, 25)) + list(range(3, 9))
+    first = engine.generate([prompt], GREEDY)[0]
+    second = engine.generate([prompt + [50]], GREEDY)[0]
+    assert engine.stats.num_prefix_hit_tokens >= 24
+    fresh = make_engine(paths["target"]).generate([prompt + [50]], GREEDY)[0]
+    assert second.token_ids == fresh.token_ids
+    assert second.logprobs == pytest.approx(fresh.logprobs, abs=1e-4)
+    # The first request's blocks, committed only up to accepted tokens, serve a continuation.
+    continued = engine.generate([prompt + first.token_ids[:8]], SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert continued[0].token_ids == first.token_ids[8:]
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_stop_token_and_length_inside_an_accepted_span(paths, plain_greedy, proposer):
+    tokens = plain_greedy[0].token_ids[:16]
+    stop_at = tokens[5]
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=(stop_at,))
+    stopped = spec_engine(paths, proposer).generate([PROMPTS[0]], params)[0]
+    assert stopped.token_ids == tokens[: tokens.index(stop_at) + 1] and stopped.finish_reason == "stop"
+    for max_new in (1, 2, 5):
+        short = spec_engine(paths, proposer).generate(
+            [PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=max_new)
+        )[0]
+        assert short.token_ids == tokens[:max_new] and short.finish_reason == "length"
+    capped = spec_engine(paths, proposer, max_model_len=len(PROMPTS[0]) + 7).generate([PROMPTS[0]], GREEDY)[0]
+    assert capped.token_ids == tokens[:7] and capped.finish_reason == "length"
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_engine_samples_follow_the_target_distribution(paths, proposer):
+    """Tokens 1-3 of 2000 seeded samples (where drafts are verified) against the exact marginals."""
+    num_samples, prompt = 2000, [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, n=num_samples, seed=0)
+    draft_path = paths["tiny_draft"] if proposer == "draft" else None
+    engine = make_engine(
+        paths["tiny_target"], proposer, draft_path, num_speculative_tokens=2, max_num_seqs=num_samples,
+        num_kv_blocks=4 * num_samples, max_num_batched_tokens=4 * num_samples,
+    )  # fmt: skip
+    completions = engine.generate([prompt], params)
+    assert engine.stats.num_accepted_tokens > 100 and engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+    samples = torch.tensor([c.token_ids for c in completions])  # [N, 3]
+    hf = AutoModelForCausalLM.from_pretrained(paths["tiny_target"], attn_implementation="eager").float().eval()
+    vocab_size = 10
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)  # [V]
+        firsts = torch.tensor([prompt + [t] for t in range(vocab_size)])
+        p2 = torch.softmax(hf(firsts).logits[:, -1], -1)  # [V, V] p(t2 | t1)
+        pairs = torch.tensor([prompt + [a, b] for a in range(vocab_size) for b in range(vocab_size)])
+        p3 = torch.softmax(hf(pairs).logits[:, -1], -1).view(vocab_size, vocab_size, vocab_size)
+    marginal2 = p1 @ p2  # [V]
+    marginal3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
+    assert_distributed_as(samples[:, 0], p1)
+    assert_distributed_as(samples[:, 1], marginal2)
+    assert_distributed_as(samples[:, 2], marginal3)
+
+
+def test_same_seed_same_sample_in_any_batch(paths, plain_greedy):
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=99)
+    alone = spec_engine(paths, "ngram").generate([PROMPTS[0]], params)[0]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=9)  # greedy and sampled rows verified together
+    batch = spec_engine(paths, "ngram").generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [greedy, params, greedy])
+    assert batch[1].token_ids == alone.token_ids
+    assert batch[0].token_ids == plain_greedy[4].token_ids[:9] and batch[2].token_ids == plain_greedy[2].token_ids[:9]

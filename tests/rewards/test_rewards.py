@@ -1,0 +1,220 @@
+"""Rewards: resolving config names to functions, and scoring that survives broken user functions."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tether.errors import ConfigError
+from tether.rewards import RewardComputer, WeightedReward, exact_match, resolve_reward
+
+PROMPTS = ["1+1=", "2+2=", "3+3="]
+COMPLETIONS = ["2", " 4\n", "7"]
+FIELDS = [{"answer": "2"}, {"answer": "4"}, {"answer": "6"}]
+
+
+def score(*rewards: WeightedReward):
+    return RewardComputer(list(rewards)).score(PROMPTS, COMPLETIONS, FIELDS)
+
+
+def write_module(directory: Path, name: str, body: str) -> Path:
+    path = directory / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def resolve_error(spec: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        resolve_reward(spec)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+# --- resolution -----------------------------------------------------------------------------------
+
+
+def test_builtin_exact_match():
+    assert resolve_reward("exact_match") is exact_match
+    assert exact_match("2+2=", " 4 ", answer="4") == 1.0
+    assert exact_match("2+2=", "40", answer="4") == 0.0
+    assert exact_match("2+2=", "4", answer=4) == 1.0  # a numeric answer column still compares as text
+    result = score(WeightedReward("exact_match", exact_match))
+    assert result.totals == [1.0, 1.0, 0.0]
+
+
+def test_extra_builtins_take_a_name():
+    task_reward = lambda prompt, completion, **fields: 0.5
+    assert resolve_reward("task", {"task": task_reward}) is task_reward
+
+
+def test_module_function_on_sys_path(tmp_path, monkeypatch):
+    write_module(tmp_path, "my_rewards_mod", """
+        def length_penalty(prompt, completion, **fields):
+            return -0.1 * len(completion)
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = resolve_reward("my_rewards_mod:length_penalty")
+    assert fn("p", "abcd") == pytest.approx(-0.4)
+
+
+def test_file_path_function(tmp_path):
+    path = write_module(tmp_path, "file_rewards", """
+        def has_answer(prompt, completion, answer="", **fields):
+            return float(answer in completion)
+    """)
+    fn = resolve_reward(f"{path}:has_answer")
+    assert fn("q", "the answer is 42", answer="42") == 1.0
+    assert fn("q", "no idea", answer="42") == 0.0
+
+
+@pytest.mark.parametrize(("spec", "fragment"), [
+    ("nosuch_reward", "unknown reward 'nosuch_reward'"),
+    ("file.py:", "unknown reward 'file.py:'"),
+    (":fn", "unknown reward ':fn'"),
+    ("tether_no_such_module_xyz:f", "cannot import 'tether_no_such_module_xyz'"),
+    ("os:no_such_function", "os has no function 'no_such_function'"),
+    ("os.path:sep", "os.path has no function 'sep'"),  # an attribute that is not callable
+    ("missing/rewards.py:f", "file not found: missing/rewards.py"),
+])
+def test_bad_names_are_one_line_config_errors(spec, fragment):
+    message = resolve_error(spec)
+    assert message.startswith("rewards: ")
+    assert fragment in message
+
+
+def test_unknown_name_lists_the_builtins():
+    assert "'exact_match'" in resolve_error("exact_mach")
+
+
+def test_module_that_fails_to_import(tmp_path, monkeypatch):
+    write_module(tmp_path, "broken_reward_mod", "import tether_not_a_real_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    message = resolve_error("broken_reward_mod:f")
+    assert "cannot import 'broken_reward_mod'" in message and "tether_not_a_real_dependency" in message
+
+
+def test_file_that_fails_to_load(tmp_path):
+    path = write_module(tmp_path, "syntax_bad", "def f(:\n    pass\n")
+    message = resolve_error(f"{path}:f")
+    assert f"{path} failed to load: SyntaxError" in message
+    path = write_module(tmp_path, "raises_bad", "raise RuntimeError('no GPU here')\n")
+    assert "RuntimeError: no GPU here" in resolve_error(f"{path}:f")
+
+
+def test_file_without_the_function(tmp_path):
+    path = write_module(tmp_path, "few_rewards", "def a(prompt, completion, **fields):\n    return 1.0\n")
+    assert f"has no function 'b' ({path}:b)" in resolve_error(f"{path}:b")
+
+
+# --- scoring ----------------------------------------------------------------------------------------
+
+
+def test_fields_reach_the_function():
+    seen = []
+
+    def record(prompt, completion, **fields):
+        seen.append((prompt, completion, fields))
+        return 0.0
+
+    score(WeightedReward("record", record))
+    assert seen == list(zip(PROMPTS, COMPLETIONS, FIELDS))
+
+
+def test_weights_combine_and_components_stay_unweighted():
+    length = lambda prompt, completion, **fields: float(len(completion.strip()))
+    result = score(WeightedReward("exact_match", exact_match, 2.0), WeightedReward("length", length, -0.5))
+    assert result.totals == [2.0 - 0.5, 2.0 - 0.5, 0.0 - 0.5]
+    assert result.components == {"exact_match": [1.0, 1.0, 0.0], "length": [1.0, 1.0, 1.0]}
+    metrics = result.metrics()
+    assert metrics["reward/mean"] == pytest.approx(2.5 / 3)
+    mean = 2.5 / 3  # totals are [1.5, 1.5, -0.5]; std is the population std
+    assert metrics["reward/std"] == pytest.approx(math.sqrt(((1.5 - mean) ** 2 * 2 + (-0.5 - mean) ** 2) / 3))
+    assert metrics["reward/exact_match/mean"] == pytest.approx(2 / 3)
+    assert metrics["reward/errors"] == 0.0 and metrics["reward/length/errors"] == 0.0
+
+
+def test_dict_return_adds_named_sub_scores():
+    def parts(prompt, completion, answer="", **fields):
+        return {"format": 0.25, "correct": float(completion.strip() == answer)}
+
+    result = score(WeightedReward("parts", parts, 2.0))
+    assert result.totals == [2.5, 2.5, 0.5]
+    assert result.components == {"parts/format": [0.25] * 3, "parts/correct": [1.0, 1.0, 0.0]}
+    assert result.metrics()["reward/parts/correct/mean"] == pytest.approx(2 / 3)
+
+
+def test_numpy_and_torch_scalars_and_bools_are_numbers():
+    import numpy as np
+    import torch
+
+    values = iter([np.float32(0.25), torch.tensor(0.5), True])
+    result = score(WeightedReward("mixed", lambda prompt, completion, **fields: next(values)))
+    assert result.totals == [0.25, 0.5, 1.0]
+    assert result.num_errors == {"mixed": 0}
+
+
+def _bad_on_second(bad_value):
+    """A reward that is fine (1.0) except on the second sample, where it returns ``bad_value``
+    (or raises it, when it is an exception)."""
+    def fn(prompt, completion, **fields):
+        if prompt != PROMPTS[1]:
+            return 1.0
+        if isinstance(bad_value, Exception):
+            raise bad_value
+        return bad_value
+    return fn
+
+
+@pytest.mark.parametrize(("bad_value", "fragment"), [
+    (ValueError("cannot parse"), "ValueError: cannot parse"),
+    (None, "returned None"),
+    (float("nan"), "returned nan"),
+    (float("inf"), "returned inf"),
+    ("1.0", "returned '1.0'"),
+    ([1.0], "returned [1.0]"),
+    ({"format": 1.0, "correct": "yes"}, "sub-score 'correct' is not a finite number"),
+    ({"format": float("nan")}, "sub-score 'format'"),
+])
+def test_broken_function_is_counted_and_scores_zero(bad_value, fragment):
+    good = WeightedReward("good", lambda prompt, completion, **fields: 0.5, 2.0)
+    result = score(WeightedReward("flaky", _bad_on_second(bad_value)), good)
+    assert result.totals == [1.0 + 1.0, 0.0 + 1.0, 1.0 + 1.0]  # only sample 1 of 'flaky' is lost
+    assert result.num_errors == {"flaky": 1, "good": 0}
+    assert result.first_error is not None and result.first_error.startswith("flaky: ")
+    assert fragment in result.first_error
+    metrics = result.metrics()
+    assert metrics["reward/errors"] == 1.0
+    assert metrics["reward/flaky/errors"] == 1.0
+    assert metrics["reward/good/errors"] == 0.0
+    assert metrics["reward/good/mean"] == 0.5
+
+
+def test_every_sample_failing_is_still_not_fatal():
+    def always_raises(prompt, completion, **fields):
+        raise KeyError("answer")
+
+    result = score(WeightedReward("broken", always_raises), WeightedReward("exact_match", exact_match))
+    assert result.totals == [1.0, 1.0, 0.0]
+    assert result.metrics()["reward/broken/errors"] == 3.0
+    assert result.metrics()["reward/errors"] == 3.0
+
+
+def test_no_reward_functions_is_refused():
+    with pytest.raises(ValueError, match="at least one reward"):
+        RewardComputer([])
+
+
+def test_huge_integer_is_counted_not_fatal():
+    result = score(WeightedReward("huge", _bad_on_second(10**400)))
+    assert result.num_errors == {"huge": 1}
+
+
+def test_row_with_a_completion_column_still_reaches_the_function():
+    fields = [{"answer": "2", "completion": "reference"}] * 3
+    result = RewardComputer([WeightedReward("exact_match", exact_match)]).score(PROMPTS, COMPLETIONS, fields)
+    assert result.num_errors == {"exact_match": 0}
+    assert result.totals == [1.0, 0.0, 0.0]

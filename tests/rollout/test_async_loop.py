@@ -1,0 +1,123 @@
+"""The trainer-side driver over an in-process generator: the staleness guarantees, end to end."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from tether.algorithms.registry import ADVANTAGES
+from tether.config import ExperimentConfig
+from tether.data.cursor import DataCursor
+from tether.recipes.grpo import build_generator_worker, build_trainer
+from tether.rollout.async_loop import AsyncRLComponents, async_rl_step
+from tether.rollout.buffer import RolloutBuffer
+from tether.rollout.local_backend import InProcessTransport
+from tether.rollout.sync_loop import LoopState
+from tether.training.batch import RolloutBatch
+
+
+def in_process(config: ExperimentConfig, tiny_policy, run_ahead: bool) -> tuple[AsyncRLComponents, list]:
+    """Components with the generator stepped in this thread; also a list that records every trained batch."""
+    model, tokenizer = tiny_policy
+    model = copy.deepcopy(model)
+    trainer = build_trainer(config, model)
+    worker = build_generator_worker(config, model, tokenizer)
+    trained: list[tuple[int, RolloutBatch]] = []
+    train_on = trainer.train_on
+
+    def recording_train_on(batch: RolloutBatch, policy_version: int | None = None) -> dict[str, float]:
+        trained.append((policy_version, batch))
+        return train_on(batch, policy_version=policy_version)
+
+    trainer.train_on = recording_train_on  # type: ignore[method-assign]
+    r = config.rollout
+    components = AsyncRLComponents(InProcessTransport(worker, run_ahead), trainer,
+                                   RolloutBuffer(r.max_staleness), ADVANTAGES.get("grpo"),
+                                   groups_per_batch=r.prompts_per_step, group_size=r.group_size)
+    return components, trained
+
+
+def run_steps(components: AsyncRLComponents, num_steps: int) -> list[dict]:
+    state = LoopState()
+    return [async_rl_step(components, state)[0] for _ in range(num_steps)]
+
+
+def test_staleness_zero_is_exactly_on_policy(tiny_policy):
+    config = tiny_config("rollout.mode=async", "rollout.max_staleness=0")
+    components, trained = in_process(config, tiny_policy, run_ahead=True)
+    history = run_steps(components, 3)
+    for version, batch in trained:
+        assert (batch.versions[batch.mask] == version).all()  # every consumed token: current weights
+    assert [m["staleness/max"] for m in history] == [0, 0, 0]
+    assert history[-1]["staleness/hist"] == {0: 12}
+    # the generator holds the trainer's exact weights after every step
+    engine_params = dict(components.transport.worker.engine.model.named_parameters())
+    for name, param in components.trainer.model.named_parameters():
+        assert torch.equal(engine_params[name], param), name
+    assert history[-1]["mismatch/abs_logp_diff"] < 1e-4
+
+
+def test_staleness_k_is_never_exceeded_and_is_reached_by_a_fast_generator(tiny_policy):
+    max_staleness = 2
+    config = tiny_config("rollout.mode=async", f"rollout.max_staleness={max_staleness}")
+    components, trained = in_process(config, tiny_policy, run_ahead=True)  # generator runs ahead
+    history = run_steps(components, 6)
+    lags = [version - int(batch.versions[batch.mask].min()) for version, batch in trained]
+    assert max(lags) == max_staleness  # the bound binds...
+    assert all(lag <= max_staleness for lag in lags)  # ...and holds
+    # the generator fills S + 1 batches at once, consumed with lags 0, 1, 2; then again
+    assert [m["staleness/max"] for m in history] == [0, 1, 2, 0, 1, 2]
+    for key in ("staleness/mean", "staleness/hist", "mismatch/k1", "mismatch/k3", "mismatch/abs_logp_diff",
+                "is/mean", "is/ess", "is/clip_frac", "is/masked_frac", "policy_version"):
+        assert key in history[-1], key
+    assert history[-1]["mismatch/k3"] > 0  # stale samples: the trainer has moved on from the engine
+
+
+def test_oversampling_early_cut_keeps_every_prompt(tiny_policy):
+    config = tiny_config("rollout.mode=async", "rollout.max_staleness=1", "rollout.oversample=2",
+                         "rollout.max_new_tokens=8")
+    components, trained = in_process(config, tiny_policy, run_ahead=False)
+    history = run_steps(components, 4)
+    assert all(m["staleness/max"] <= 1 for m in history)
+    worker = components.transport.worker
+    consumed = [r for _, b in trained for r in b.prompt_ids[::4]]
+    waiting = [g.prompt_ids for g in components.buffer.groups]
+    waiting += [g.prompt_ids for g in worker.in_flight.values()]
+    waiting += [worker.encode(r) for r in worker.reissue_queue]
+    replay = DataCursor(worker.prompts.items, seed=worker.prompts.seed)  # the same order, from the start
+    taken = [worker.encode(r) for r in replay.take(worker.prompts.state.position)]
+    # every prompt taken from the data was trained on, or is still waiting: none silently skipped
+    assert sorted(consumed + waiting) == sorted(taken)
+
+
+def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_policy):
+    config = tiny_config("rollout.mode=async", "rollout.max_staleness=1", "rollout.dynamic_sampling=true",
+                         reward="parity")
+    components, trained = in_process(config, tiny_policy, run_ahead=False)
+    history = run_steps(components, 3)
+    for _, batch in trained:
+        for rewards in batch.rewards.view(-1, 4):
+            assert len(set(rewards.tolist())) > 1
+    assert history[-1]["rollout/num_filtered"] == components.transport.counters.num_filtered > 0
+
+
+def test_dynamic_sampling_without_any_signal_times_out_with_a_reason(tiny_policy):
+    config = tiny_config("rollout.mode=async", "rollout.dynamic_sampling=true", reward="constant")
+    components, _ = in_process(config, tiny_policy, run_ahead=False)
+    components.max_wait_s = 0.5
+    with pytest.raises(TimeoutError, match="filtered by dynamic sampling"):
+        run_steps(components, 1)
+
+
+def test_sync_mode_with_oversampling_stays_on_policy(tiny_policy, tmp_path):
+    from tether.metrics import read_metrics
+    from tether.recipes.grpo import run_grpo
+
+    model, tokenizer = tiny_policy
+    config = tiny_config("rollout.oversample=2", "trainer.max_steps=3", "rollout.max_new_tokens=8")
+    run_grpo(config, tmp_path, copy.deepcopy(model), tokenizer)
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["staleness/max"] for m in metrics] == [0, 0, 0]

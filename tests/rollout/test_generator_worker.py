@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from conftest import tiny_config
+from tether.recipes.grpo import build_generator_worker
+from tether.rollout.generator_worker import GeneratorWorker
+
+
+def make_worker(tiny_policy, *overrides: str, reward: str = "count_digits") -> GeneratorWorker:
+    model, tokenizer = tiny_policy
+    config = tiny_config("rollout.mode=async", "rollout.max_new_tokens=8", *overrides, reward=reward)
+    return build_generator_worker(config, copy.deepcopy(model), tokenizer)
+
+
+def perturbed(worker: GeneratorWorker) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p.detach() + 0.01) for n, p in worker.engine.model.named_parameters()]
+
+
+def run_until_groups(worker: GeneratorWorker, max_steps: int = 100):
+    groups = []
+    for _ in range(max_steps):
+        groups.extend(worker.step())
+        if not worker.in_flight:
+            break
+    return groups
+
+
+def test_admission_follows_the_capacity_rule(tiny_policy):
+    worker = make_worker(tiny_policy, "rollout.max_staleness=1", "rollout.oversample=1")
+    worker.step()
+    assert len(worker.in_flight) == (0 + 1 + 1) * 3 + 1  # (v + S + 1) * B + extra
+    assert not worker.may_admit
+
+
+def test_partial_rollouts_continue_under_new_weights_with_mixed_versions(tiny_policy):
+    worker = make_worker(tiny_policy, "rollout.max_staleness=1", "rollout.partial_rollouts=true")
+    for _ in range(3):  # prefill, then two decode steps under version 0
+        worker.step()
+    worker.load_weights(perturbed(worker), version=1)
+    assert worker.engine.policy_version == 1 and worker.counters.num_aborted == 0  # lag 1 <= S
+    groups = run_until_groups(worker)
+    versions = [c.versions for g in groups for c in g.completions]
+    mixed = [v for v in versions if 0 in v and 1 in v]
+    assert mixed, versions
+    assert all(v == sorted(v) for v in versions)  # a sample's versions never go back
+
+
+def test_without_partial_rollouts_updates_wait_for_groups_in_flight(tiny_policy):
+    worker = make_worker(tiny_policy, "rollout.max_staleness=1", "rollout.partial_rollouts=false")
+    for _ in range(3):
+        worker.step()
+    worker.load_weights(perturbed(worker), version=1)
+    assert worker.engine.policy_version == 0 and not worker.may_admit  # deferred, admission paused
+    groups = run_until_groups(worker)
+    assert all(set(c.versions) == {0} for g in groups for c in g.completions)
+    worker.step()  # drained: the update lands, admission resumes
+    assert worker.engine.policy_version == 1 and worker.in_flight
+
+
+def test_groups_that_can_never_be_trained_on_are_aborted_and_reissued(tiny_policy):
+    worker = make_worker(tiny_policy, "rollout.max_staleness=0", "rollout.partial_rollouts=true")
+    for _ in range(2):
+        worker.step()
+    in_flight = [g.record for g in sorted(worker.in_flight.values(), key=lambda g: g.uid)]
+    worker.load_weights(perturbed(worker), version=1)  # their version-0 tokens would have lag 1 > S
+    assert worker.counters.num_aborted == 3 and worker.counters.num_reissued == 3
+    assert list(worker.reissue_queue) == in_flight and worker.controller.num_started == 0
+    groups = run_until_groups(worker)
+    groups.sort(key=lambda g: g.uid)
+    assert [g.record for g in groups[:3]] == in_flight  # re-issued first, and now fully on version 1
+    assert all(set(c.versions) == {1} for g in groups for c in g.completions)
+
+
+def test_dynamic_sampling_drops_groups_without_reward_variance_and_refills(tiny_policy):
+    worker = make_worker(tiny_policy, "rollout.dynamic_sampling=true", reward="constant")
+    groups = run_until_groups(worker)
+    assert groups == [] and worker.counters.num_filtered == 3
+    assert worker.may_admit  # capacity released: replacements start
+    worker.step()
+    assert len(worker.in_flight) == 3
+
+
+def test_a_raising_reward_function_is_counted_not_fatal(tiny_policy):
+    worker = make_worker(tiny_policy, reward="flaky")
+    groups = run_until_groups(worker)
+    assert len(groups) == 3
+    num_errors = sum(sum(g.scores.num_errors.values()) for g in groups)
+    assert 0 < num_errors < 12  # raised on about half, scored 1.0 on the others
+    assert sorted({t for g in groups for t in g.scores.totals}) == [0.0, 1.0]
+
+
+def test_state_dict_saves_groups_in_flight_as_prompts_to_reissue(tiny_policy):
+    worker = make_worker(tiny_policy)
+    worker.step()
+    in_flight = [g.record for g in sorted(worker.in_flight.values(), key=lambda g: g.uid)]
+    state = worker.state_dict()
+    fresh = make_worker(tiny_policy)
+    fresh.load_state_dict(state)
+    assert list(fresh.reissue_queue) == in_flight and fresh.controller.num_started == 0
+    groups = run_until_groups(fresh)
+    assert [g.record for g in groups] == in_flight

@@ -1,0 +1,100 @@
+"""The ``tether`` command as users run it: a real subprocess, exit codes, one-line errors, run outputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY_SFT = [
+    "recipe=sft", "trainer.max_steps=3", "trainer.batch_size=8", "data.task=arith", "data.num_train=64",
+    "data.num_eval=16", "logging.progress=plain", "model.scratch.hidden_size=32",
+    "model.scratch.intermediate_size=64", "model.scratch.num_layers=1", "model.scratch.num_heads=2",
+    "model.scratch.num_kv_heads=1", "model.scratch.max_position_embeddings=64",
+]
+
+
+def tether(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tether.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], fragment: str) -> str:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert fragment in lines[0]
+    return lines[0]
+
+
+def test_console_script_lists_the_commands():
+    script = Path(sys.executable).parent / "tether"
+    if not script.exists():
+        pytest.fail(f"console script not installed next to {sys.executable}; run `pip install -e .`")
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for command in ("train", "generate", "demo"):
+        assert command in result.stdout
+
+
+def test_train_help_shows_overrides_and_out(tmp_path):
+    result = tether("train", "--help", cwd=tmp_path)
+    assert result.returncode == 0
+    assert "overrides" in result.stdout and "--out" in result.stdout
+
+
+def test_missing_command_is_a_usage_error(tmp_path):
+    result = tether(cwd=tmp_path)
+    assert result.returncode == 2 and "usage: tether" in result.stderr
+
+
+def test_missing_config_file(tmp_path):
+    result = tether("train", "nope.yaml", cwd=tmp_path)
+    assert_one_line_error(result, "config file not found: nope.yaml")
+    assert not list(tmp_path.iterdir())  # nothing is created for a run that cannot start
+
+
+def test_bad_override_names_the_closest_key(tmp_path):
+    (tmp_path / "c.yaml").write_text("recipe: sft\n")
+    result = tether("train", "c.yaml", "trainer.max_step=3", cwd=tmp_path)
+    assert_one_line_error(result, "did you mean 'trainer.max_steps'")
+
+
+def test_invalid_yaml(tmp_path):
+    (tmp_path / "c.yaml").write_text("trainer: [1, 2\n")
+    assert_one_line_error(tether("train", "c.yaml", cwd=tmp_path), "c.yaml:2:")
+
+
+@pytest.mark.slow
+def test_train_tiny_sft_writes_a_self_describing_run(tmp_path):
+    (tmp_path / "c.yaml").write_text("name: tiny\nseed: 3\n")
+    out = tmp_path / "run"
+    result = tether("train", "c.yaml", *TINY_SFT, "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stdout.splitlines() if "step 3/3" in line]  # plain progress
+
+    from tether.config import load_config
+
+    saved = load_config(out / "config.yaml")
+    assert saved == load_config(tmp_path / "c.yaml", TINY_SFT)
+    assert (saved.name, saved.seed, saved.recipe) == ("tiny", 3, "sft")
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(isinstance(r["loss/sft"], float) and r["loss/sft"] > 0 for r in records)
+    assert "eval/loss" in records[-1]
+
+    final = out / "final"
+    assert (final / "config.json").is_file() and (final / "tokenizer.json").is_file()
+    assert list(final.glob("*.safetensors"))
+    assert json.loads((final / "config.json").read_text())["hidden_size"] == 32
+
+    again = tether("train", "c.yaml", *TINY_SFT, "--out", str(out), cwd=tmp_path)
+    assert_one_line_error(again, "already holds a run")
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3  # the old run is untouched

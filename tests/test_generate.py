@@ -1,0 +1,62 @@
+"""`tether generate`: the output format, greedy parity with transformers, per-line overrides."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers.hf_tiny import make_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("gen"), "llama", hidden_size=32, num_layers=2)
+
+
+def _run(args, cwd):
+    return subprocess.run([sys.executable, "-m", "tether.cli", "generate", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _prompts(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_greedy_equals_transformers_and_format(model_dir, tmp_path):
+    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "12+34="}, {"prompt": "hello wor", "max_new_tokens": 5}])
+    out = tmp_path / "out.jsonl"
+    result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--n", "2", "--max-new-tokens", "12",
+                   "--temperature", "0", "--seed", "0", "--output", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["prompt_index"], x["sample_index"]) for x in lines] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for x in lines:
+        assert set(x) >= {"prompt_index", "sample_index", "text", "token_ids", "logprobs", "finish_reason"}
+        assert len(x["token_ids"]) == len(x["logprobs"])
+    assert len(lines[2]["token_ids"]) <= 5  # the line's own max_new_tokens
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    from tether.models.tokenizer import encode_prompt, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    ids = torch.tensor([encode_prompt(tokenizer, "12+34=")])
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+    if tokenizer.eos_token_id in expected:  # transformers keeps the eos token, as tether does
+        expected = expected[: expected.index(tokenizer.eos_token_id) + 1]
+    assert lines[0]["token_ids"] == expected
+    assert lines[1]["token_ids"] == expected
+
+
+def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path):
+    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"prompt": "x", "temperature": "hot"}])
+    result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")],
+                  tmp_path)
+    assert result.returncode == 2
+    assert "temperature" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
