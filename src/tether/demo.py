@@ -26,16 +26,16 @@ NUM_HELD_OUT = 200
 
 # Shared by both stages: the task, the model shape, the run layout.
 COMMON = [
-    "data.task=arith", "data.task_options={num_digits: 2, num_terms: 2, operators: '+', teacher_carry_error: 0.7}",
+    "data.task=arith", "data.task_options={num_digits: 2, num_terms: 2, operators: '+', teacher_repeat_error: 0.6}",
     "model.scratch.hidden_size=96", "model.scratch.intermediate_size=256", "model.scratch.num_layers=3",
     "model.scratch.num_heads=4", "model.scratch.num_kv_heads=2", f"data.num_eval={NUM_HELD_OUT}",
 ]
 SFT = ["recipe=sft", "name=demo-sft", "trainer.lr=3e-3", "trainer.batch_size=64", "trainer.warmup_steps=20",
        "trainer.schedule=cosine", "trainer.min_lr_ratio=0.1", "data.num_train=20000"]
-GRPO = ["recipe=grpo", "name=demo-grpo", "trainer.lr=5e-4", "rollout.group_size=8",
+GRPO = ["recipe=grpo", "name=demo-grpo", "trainer.lr=2e-4", "trainer.warmup_steps=10", "rollout.group_size=16",
         "rollout.prompts_per_step=16", "rollout.max_new_tokens=6", "rollout.temperature=1.0",
         "data.num_train=2000"]
-STEPS = {False: {"sft": 600, "grpo": 150}, True: {"sft": 600, "grpo": 50}}
+STEPS = {False: {"sft": 800, "grpo": 200}, True: {"sft": 800, "grpo": 60}}
 
 
 def demo_configs(quick: bool, seed: int, mode: str | None) -> tuple[ExperimentConfig, ExperimentConfig]:

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
+from rollout_helpers import tiny_config
 
-from conftest import tiny_config
 from tether.algorithms.registry import ADVANTAGES
 from tether.config import ExperimentConfig
 from tether.data.cursor import DataCursor

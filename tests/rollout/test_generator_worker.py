@@ -3,8 +3,8 @@ from __future__ import annotations
 import copy
 
 import torch
+from rollout_helpers import tiny_config
 
-from conftest import tiny_config
 from tether.recipes.grpo import build_generator_worker
 from tether.rollout.generator_worker import GeneratorWorker
 

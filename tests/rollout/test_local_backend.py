@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import yaml
+from rollout_helpers import REWARDS, TINY
 
-from conftest import REWARDS, TINY
 from tether.metrics import read_metrics
 from tether.recipes import run_train
 from tether.recipes.grpo import run_grpo
@@ -48,7 +48,7 @@ def test_async_train_from_the_cli_path_stays_within_staleness_and_survives_a_rai
 
 @pytest.mark.slow
 def test_weights_reach_the_generator_process_on_policy(tmp_path, tiny_policy):
-    from conftest import tiny_config
+    from rollout_helpers import tiny_config
 
     model, tokenizer = tiny_policy
     config = tiny_config("rollout.mode=async", "rollout.max_staleness=0", "trainer.max_steps=4",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 import torch
+from rollout_helpers import tiny_config
 
-from conftest import tiny_config
 from tether.algorithms.registry import ADVANTAGES
 from tether.recipes.grpo import build_generator_worker, build_trainer, resolved_policy_loss
 from tether.rollout.async_loop import groups_to_batch, merge_scores

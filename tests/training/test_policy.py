@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers.hf_tiny import make_hf_checkpoint
+from tether.algorithms import AGGREGATIONS
 from tether.engine.config import EngineConfig
 from tether.engine.engine import LLMEngine
 from tether.engine.types import SamplingParams
@@ -14,7 +15,6 @@ from tether.rollout.sync_loop import build_rollout_batch
 from tether.training.optim import build_optimizer, build_scheduler
 from tether.training.policy import PolicyLossSettings, PolicyTrainer, aggregation_weights
 from tether.training.scoring import SamplingView, completion_logprobs
-from tether.algorithms import AGGREGATIONS
 
 
 @pytest.fixture(scope="module")

@@ -146,6 +146,9 @@ class ArithTask(_ProblemTask):
     # forgets the carries ("58+67=" -> "15"). Prompts, answers and rewards stay exact; only the SFT
     # form imitates the teacher, which is what the demo's RL stage has to correct.
     teacher_carry_error: float = 0.0
+    # A stuttering SFT teacher: with this probability it writes the last digit of an answer that ends
+    # in an even digit twice ("12+34=" -> "466"). What the verifier rejects, RL can unlearn.
+    teacher_repeat_error: float = 0.0
     name: str = "arith"
 
     def __post_init__(self) -> None:
@@ -158,8 +161,9 @@ class ArithTask(_ProblemTask):
         if self.num_terms < 2:
             raise ConfigError(f"arith num_terms must be >= 2, got {self.num_terms}")
         _check_fraction(self.heldout_fraction)
-        if not 0.0 <= self.teacher_carry_error <= 1.0:
-            raise ConfigError(f"arith teacher_carry_error must be in [0, 1], got {self.teacher_carry_error}")
+        for name in ("teacher_carry_error", "teacher_repeat_error"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"arith {name} must be in [0, 1], got {getattr(self, name)}")
 
     def _operand(self, rng: random.Random) -> int:
         num_digits = rng.randint(1, self.num_digits)
@@ -180,6 +184,9 @@ class ArithTask(_ProblemTask):
         # Drawn only when the teacher can err, so a clean task keeps its problem stream.
         if self.teacher_carry_error > 0 and set(ops) == {"+"} and rng.random() < self.teacher_carry_error:
             demonstration = _sum_without_carries(terms)
+        is_even_ending = value % 2 == 0
+        if self.teacher_repeat_error > 0 and is_even_ending and rng.random() < self.teacher_repeat_error:
+            demonstration = str(value) + str(value)[-1]
         return Problem(f"{expression}=", str(value), str(_near_miss(value, rng)), demonstration)
 
 

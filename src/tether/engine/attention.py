@@ -142,7 +142,10 @@ class DecodeKV:
         num_layers, old_rows, num_kv_heads, old_tokens, head_dim = self.k.shape
         if num_rows <= old_rows and num_tokens <= old_tokens:
             return
-        new_rows, new_tokens = max(num_rows, 2 * old_rows), max(num_tokens, 2 * old_tokens)
+        # Double only the dimension that is short: doubling rows for longer slots halved the tokens
+        # per slot the cap allows.
+        new_rows = old_rows if num_rows <= old_rows else max(num_rows, 2 * old_rows)
+        new_tokens = old_tokens if num_tokens <= old_tokens else max(num_tokens, 2 * old_tokens)
         if new_rows * new_tokens > self.max_tokens:
             # Past the cap, grow straight to the longest slots the cap allows for these rows: growing
             # by one block at a time reallocated the whole mirror nearly every step (8 % of a run).
