@@ -1,9 +1,12 @@
 """``tether demo``: learn arithmetic from nothing on a laptop CPU, with no download.
 
 1. build the character tokenizer and a small Qwen2-shaped model from scratch;
-2. SFT warm start on the built-in ``arith`` task (deliberately short: it leaves room for RL);
+2. SFT warm start on the built-in ``arith`` task, imitating a sloppy teacher (``teacher_repeat_error``:
+   it often writes the last digit of an even-ending answer twice) for a short run, so the model
+   inherits the teacher's habit and is still weak at carries;
 3. held-out greedy accuracy (before RL);
-4. GRPO with the task's verifiable reward (exact answer);
+4. GRPO with the task's verifiable reward (the exact answer), which unlearns what the verifier
+   rejects and improves the arithmetic;
 5. held-out greedy accuracy again (after RL).
 """
 
@@ -32,7 +35,8 @@ COMMON = [
 ]
 SFT = ["recipe=sft", "name=demo-sft", "trainer.lr=3e-3", "trainer.batch_size=64", "trainer.warmup_steps=20",
        "trainer.schedule=cosine", "trainer.min_lr_ratio=0.1", "data.num_train=20000"]
-GRPO = ["recipe=grpo", "name=demo-grpo", "trainer.lr=2e-4", "trainer.warmup_steps=10", "rollout.group_size=16",
+GRPO = ["recipe=grpo", "name=demo-grpo", "trainer.lr=3e-4", "trainer.warmup_steps=10", "trainer.schedule=cosine",
+        "trainer.min_lr_ratio=0.1", "rollout.group_size=16",
         "rollout.prompts_per_step=16", "rollout.max_new_tokens=6", "rollout.temperature=1.0",
         "data.num_train=2000"]
 STEPS = {False: {"sft": 800, "grpo": 200}, True: {"sft": 800, "grpo": 60}}
