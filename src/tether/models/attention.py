@@ -109,8 +109,11 @@ class CausalAttention:
 
 # Sequences are grouped into chunks of up to this many tokens, each attended by one SDPA call with a
 # block-diagonal causal mask: many short sequences (a GRPO batch) then cost a few calls instead of
-# one call per sequence, while the mask stays small (at most CHUNK_TOKENS^2 booleans).
-PACKED_CHUNK_TOKENS = 512
+# one call per sequence, while the mask stays small (at most CHUNK_TOKENS^2 booleans). Masked-out
+# pairs are wasted work, so chunks stay small: on a GRPO batch of 128 sequences of ~37 tokens a
+# training step took 0.41 s with 128-token chunks against 0.56 s with 512 (1 CPU thread). Longer
+# sequences go alone, on SDPA's fused causal path.
+PACKED_CHUNK_TOKENS = 128
 
 
 @dataclass(slots=True)
