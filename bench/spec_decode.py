@@ -147,7 +147,8 @@ def main() -> None:
     for result in (ngram, drafted):
         assert result.outputs == plain.outputs, f"{result.name}: greedy output differs from plain decoding"
     num_correct = sum(
-        task.is_correct(tokenizer.decode(out, skip_special_tokens=True), **r.fields) for out, r in zip(plain.outputs, records[1:])
+        task.is_correct(tokenizer.decode(out, skip_special_tokens=True), **r.fields)
+        for out, r in zip(plain.outputs, records[1:])
     )
     print(f"copy accuracy (greedy, held-out): {num_correct}/{len(plain.outputs)}; "
           f"outputs identical across the three runs ({plain.num_tokens} tokens each)")  # fmt: skip
