@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.hf_tiny import FAMILIES, make_hf_checkpoint
-from tether.algorithms.logprobs import process_logits
+from helpers.reference import full_forward_logprobs
 from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
 from tether.errors import CheckpointError, ConfigError
 from tether.models import build_char_tokenizer, load_model
@@ -30,14 +30,6 @@ def qwen2_path(checkpoints):
 def make_engine(path, **overrides) -> LLMEngine:
     config = EngineConfig(**{"num_kv_blocks": 128, "block_size": 4, **overrides})
     return LLMEngine(load_model(path), config=config)
-
-
-def full_forward_logprobs(hf, completion: Completion, params: SamplingParams) -> torch.Tensor:
-    ids = torch.tensor([completion.prompt_ids + completion.token_ids])
-    with torch.no_grad():
-        logits = hf(ids).logits[0, len(completion.prompt_ids) - 1 : -1]  # [n, V]
-    processed = process_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-    return processed.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.hf_tiny import make_hf_checkpoint
-from tether.algorithms.logprobs import process_logits
+from helpers.reference import full_forward_logprobs
 from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
 from tether.engine.speculative import NgramProposer, accept_drafts, accept_greedy, ngram_lookup
 from tether.errors import ConfigError
@@ -75,14 +75,6 @@ def spec_engine(paths, proposer: str, path_key: str = "target", **overrides) -> 
     method, draft_key = PROPOSERS[proposer]
     draft_path = paths[draft_key] if draft_key is not None else None
     return make_engine(paths[path_key], method, draft_path, **overrides)
-
-
-def full_forward_logprobs(hf, completion: Completion, params: SamplingParams) -> torch.Tensor:
-    ids = torch.tensor([completion.prompt_ids + completion.token_ids])
-    with torch.no_grad():
-        logits = hf(ids).logits[0, len(completion.prompt_ids) - 1 : -1]  # [n, V]
-    processed = process_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-    return processed.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
 
 
 # ---------------------------------------------------------------------------- proposers

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tether.data.tasks import exact_match as answers_match
 from tether.errors import ConfigError
 
 RewardFn = Callable[..., Any]
@@ -23,7 +24,7 @@ def exact_match(prompt: str, completion: str, answer: str = "", **fields: Any) -
     >>> exact_match("2+2=", " 4 ", answer="4")
     1.0
     """
-    return float(completion.strip() == str(answer).strip())
+    return float(answers_match(completion, str(answer)))
 
 
 BUILTIN_REWARDS: Mapping[str, RewardFn] = {"exact_match": exact_match}
