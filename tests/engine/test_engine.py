@@ -175,6 +175,22 @@ def test_weight_update_changes_outputs_and_stamps_versions(qwen2_path):
         engine.update_weights([("nope", head)], version=4)
 
 
+def test_logits_follow_an_lm_head_changed_in_place(qwen2_path):
+    """On CPU the engine projects through a transposed copy of the LM head; a model stepped in
+    place (an optimizer on the model the engine was built on) must not leave that copy stale."""
+    engine = make_engine(qwen2_path)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    engine.generate([PROMPTS[0]], params)
+    with torch.no_grad():
+        engine.model.lm_head.weight.mul_(-1.0)  # in place: no update_weights call
+    after = engine.generate([PROMPTS[0]], params)[0]
+    fresh = make_engine(qwen2_path)
+    fresh.update_weights([("lm_head.weight", -fresh.model.lm_head.weight)], version=0)
+    expected = fresh.generate([PROMPTS[0]], params)[0]
+    assert after.token_ids == expected.token_ids
+    assert after.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+
+
 def test_recompute_kv_on_update_matches_a_fresh_run(qwen2_path):
     engine = make_engine(qwen2_path, recompute_kv_on_update=True)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)

@@ -66,6 +66,21 @@ def test_a_rows_sample_does_not_depend_on_the_rest_of_the_batch():
     assert batched.token_ids[2] == alone.token_ids[0]
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_plain_sampling_path_matches_the_general_one(temperature):
+    """Unfiltered rows take a three-pass path; a greedy row in the batch forces the general path."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 1000) * 4
+    params = [SamplingParams(temperature=temperature)] * 6
+    plain = Sampler().sample(logits, params, generators(*range(6)))
+    mixed = Sampler().sample(torch.cat([logits, logits[:1]]), [*params, SamplingParams(temperature=0.0)],
+                             generators(*range(6), 99))
+    assert plain.token_ids == mixed.token_ids[:6]
+    expected = process_logits(logits, temperature).gather(-1, torch.tensor(plain.token_ids)[:, None])
+    assert torch.allclose(torch.tensor(plain.logprobs), expected.squeeze(-1), atol=1e-5)
+    assert plain.logprobs == pytest.approx(mixed.logprobs[:6], abs=1e-5)
+
+
 def make_seq(prompt: list[int], params: SamplingParams, stop_ids=()) -> Sequence:
     return Sequence(0, 0, 0, list(prompt), len(prompt), params, frozenset(stop_ids), torch.Generator())
 

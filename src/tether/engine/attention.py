@@ -385,12 +385,16 @@ class PagedAttention:
         ``[S, Hkv, Lk, D]`` as views of the slots ``[0, S)``."""
         assert self.decode_kv is not None and group.decode_kv_positions is not None
         num_rows, num_keys = group.num_rows, group.mask.shape[-1]
-        slots = torch.arange(num_rows, device=k.device)
         index = group.query_index.view(-1)  # [S] each row's token in the step
-        positions = group.decode_kv_positions  # [S]
-        k_rows, v_rows = self.decode_kv.k[layer_idx], self.decode_kv.v[layer_idx]  # [R, Hkv, C, D]
-        k_rows[slots, :, positions] = k[index].to(k_rows.dtype)  # [S, Hkv, D]
-        v_rows[slots, :, positions] = v[index].to(v_rows.dtype)
+        k_rows, v_rows = self.decode_kv.k[layer_idx], self.decode_kv.v[layer_idx]  # [R, Hkv, C, D] contiguous
+        _, num_kv_heads, capacity, head_dim = k_rows.shape
+        # Row (slot i, head h, position p) of the [R * Hkv * C, D] view: one index_copy_ per tensor
+        # (advanced indexing with two index tensors took 3x as long).
+        heads = torch.arange(num_kv_heads, device=k.device)  # [Hkv]
+        slots = torch.arange(num_rows, device=k.device)[:, None]  # [S, 1]
+        flat = ((slots * num_kv_heads + heads) * capacity + group.decode_kv_positions[:, None]).view(-1)
+        k_rows.view(-1, head_dim).index_copy_(0, flat, k[index].to(k_rows.dtype).view(-1, head_dim))
+        v_rows.view(-1, head_dim).index_copy_(0, flat, v[index].to(v_rows.dtype).view(-1, head_dim))
         return k_rows[:num_rows, :, :num_keys], v_rows[:num_rows, :, :num_keys]
 
 
