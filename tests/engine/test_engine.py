@@ -176,14 +176,17 @@ def test_weight_update_changes_outputs_and_stamps_versions(qwen2_path):
 
 
 def test_logits_follow_an_lm_head_changed_in_place(qwen2_path):
-    """On CPU the engine projects through a transposed copy of the LM head; a model stepped in
-    place (an optimizer on the model the engine was built on) must not leave that copy stale."""
+    """On CPU the engine re-lays out its linear weights (``use_transposed_weight_layout``): a model
+    changed in place afterwards (an optimizer on the model the engine was built on) is still what
+    the engine runs, and the layout keeps every shape and value."""
     engine = make_engine(qwen2_path)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     engine.generate([PROMPTS[0]], params)
     with torch.no_grad():
         engine.model.lm_head.weight.mul_(-1.0)  # in place: no update_weights call
     after = engine.generate([PROMPTS[0]], params)[0]
+    assert not engine.model.lm_head.weight.is_contiguous()  # [V, H] as a view of a contiguous [H, V]
+    torch.testing.assert_close(engine.model.lm_head.weight, -load_model(qwen2_path).lm_head.weight)
     fresh = make_engine(qwen2_path)
     fresh.update_weights([("lm_head.weight", -fresh.model.lm_head.weight)], version=0)
     expected = fresh.generate([PROMPTS[0]], params)[0]

@@ -97,3 +97,29 @@ def test_positive_advantage_raises_its_samples_logprob(model_dir):
     delta = ((after - before) * batch.mask).sum(dim=1).detach()
     best, worst = batch.advantages.argmax(), batch.advantages.argmin()
     assert delta[best] > 0 > delta[worst]
+
+
+def _decoupled_grads(model, batch, correction: str, cap: float = 2.0):
+    model = copy.deepcopy(model)
+    optimizer = build_optimizer(model.parameters(), lr=1e-3)
+    scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=10, schedule="constant")
+    settings = PolicyLossSettings(policy_loss="decoupled_ppo", correction=correction, correction_cap=cap,
+                                  grad_clip=0.0)
+    PolicyTrainer(model, optimizer, scheduler, settings, SamplingView(1.0)).train_on(batch)
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("correction,expected_weight", [
+    ("none", 1.35),  # the loss keeps decoupled PPO's raw behaviour weight pi_prox / pi_behav
+    ("geo_mask", 1.35),  # a mask only (every sequence inside the band here): the same raw weight
+    ("tis_token", 1.2),  # truncated at the cap
+])
+def test_decoupled_ppo_behaviour_weight_under_each_correction(model_dir, correction, expected_weight):
+    """Behaviour log-probs lowered by log(1.35) on every token scale decoupled PPO's gradient by the
+    weight the correction leaves it (at the first epoch pi / pi_prox = 1, so nothing is clipped)."""
+    model = load_model(model_dir)
+    batch = _batch(model)
+    reference = _decoupled_grads(model, batch, "none")  # engine and trainer agree: weight ~1
+    batch.behaviour_logprobs = batch.behaviour_logprobs - torch.where(batch.mask, torch.tensor(1.35).log(), 0.0)
+    grads = _decoupled_grads(model, batch, correction, cap=1.2 if correction == "tis_token" else 2.0)
+    torch.testing.assert_close(grads, expected_weight * reference, rtol=1e-3, atol=1e-6)

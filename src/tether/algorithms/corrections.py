@@ -2,23 +2,25 @@
 
 The engine samples with its own kernels (and, asynchronously, possibly older weights), so its
 log-probs ``logp_behav`` differ from the trainer's ``logp_old`` for the same tokens. Each correction
-turns the ratio pi_old / pi_behav into per-token importance weights (detached) and a keep-mask:
+turns the ratio pi_old / pi_behav into per-token importance weights (detached) and a keep-mask.
+Weights ``None`` mean "no reweighting of my own": the policy loss keeps its default weight (1 for
+``ppo_clip``; the raw behaviour weight pi_prox / pi_behav of ``decoupled_ppo``, Hilton et al. 2022).
 
-* ``none``: weight 1, keep every valid token;
+* ``none``: no weights, keep every valid token;
 * ``tis_token`` / ``tis_seq``: truncated IS, w = min(ratio, cap) per token or per sequence
   (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training");
 * ``mis_token`` / ``mis_seq``: masked IS, keep w = ratio but drop tokens / sequences whose ratio
   is above ``cap`` (or below ``lo``) instead of truncating (Liu et al. 2025, "When Speed Kills
   Stability: Demystifying RL Collapse from the Training-Inference Mismatch");
 * ``geo_mask``: drop sequences whose geometric-mean ratio exp(mean_t log ratio_t) lies outside
-  [lo, cap]; weight 1 (the length-normalised sequence ratio of GSPO, Zheng et al. 2025, used as a
+  [lo, cap]; no weights of its own (the length-normalised sequence ratio of GSPO, Zheng et al. 2025, used as a
   mask as in verl's rollout-correction ``geo_mask``), so long sequences are not judged by a product
   that grows with length.
 
 Shapes: ``logp_old``, ``logp_behav``: FloatTensor[B, T]; ``mask``: BoolTensor[B, T] ->
-``Correction(weights [B, T], keep_mask [B, T])``. Ratios are formed in log space; weights are 0
-wherever ``keep_mask`` is False, and ``keep_mask`` is always within ``mask``. Apply both: multiply
-the policy loss by ``weights`` (``is_weights=``) and aggregate over ``keep_mask``.
+``Correction(weights [B, T] or None, keep_mask [B, T])``. Ratios are formed in log space; weights
+are 0 wherever ``keep_mask`` is False, and ``keep_mask`` is always within ``mask``. Apply both: pass
+``weights`` to the policy loss (``is_weights=``) and aggregate over ``keep_mask``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tether.errors import ConfigError
 
 @dataclass(slots=True)
 class Correction:
-    weights: torch.Tensor  # FloatTensor[B, T], detached, 0 where not kept
+    weights: torch.Tensor | None  # FloatTensor[B, T], detached, 0 where not kept; None: the loss's own
     keep_mask: torch.Tensor  # BoolTensor[B, T], subset of the valid-token mask
 
 
@@ -79,8 +81,8 @@ def no_correction(
     cap: float = 2.0,
     lo: float | None = None,
 ) -> Correction:
-    """Trust the engine's samples as on-policy: weight 1 on every valid token."""
-    return _result(torch.ones_like(logp_old, dtype=torch.float32), mask)
+    """No correction: every valid token kept, no weights (the policy loss keeps its own)."""
+    return Correction(weights=None, keep_mask=mask)
 
 
 @CORRECTIONS.register("tis_token")
@@ -160,7 +162,7 @@ def geo_mask(
 ) -> Correction:
     """Geometric-mean sequence mask: drop sequences with exp(mean_t log ratio_t) outside [lo, cap].
 
-    ``lo`` defaults to 1 / cap (a symmetric band in log space). Kept tokens get weight 1. Typical
+    ``lo`` defaults to 1 / cap (a symmetric band in log space). A mask only: no weights. Typical
     thresholds are tight, e.g. cap=1.01, since a per-token average drifts far less than a product.
     """
     log_lo, log_cap = _log_bounds(cap, 1.0 / cap if lo is None else lo)
@@ -168,4 +170,4 @@ def geo_mask(
     num_tokens = mask.sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
     mean_log_ratio = log_ratio.sum(dim=-1, keepdim=True) / num_tokens  # [B, 1]
     is_inside = (mean_log_ratio <= log_cap) & (mean_log_ratio >= log_lo)
-    return _result(torch.ones_like(log_ratio), mask & is_inside)
+    return Correction(weights=None, keep_mask=mask & is_inside)

@@ -7,9 +7,9 @@ the relevant section into plain arguments.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tether.algorithms import ADVANTAGES, AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
 
@@ -18,6 +18,17 @@ class Section(BaseModel):
     """Base for every config section: unknown keys are errors, assignments are re-validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: object, info: ValidationInfo) -> object:
+        """``max_steps: true`` is a typo, not 1: pydantic's lax mode would take a bool as a number."""
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            allowed = get_args(annotation) or (annotation,)
+            if bool not in allowed and any(t in allowed for t in (int, float)):
+                raise ValueError("expected a number, not a boolean")
+        return value
 
 
 class ScratchModelConfig(Section):

@@ -42,9 +42,6 @@ class DecoderModel(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
-    @property
-    def lm_head(self) -> torch.nn.Linear: ...  # bias-free: compute_logits(h) == h @ lm_head.weight.T
-
     def parameters(self) -> Iterable[torch.nn.Parameter]: ...
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True): ...
@@ -81,9 +78,8 @@ class ModelRunner:
         )  # fmt: skip
         # Decode rows read contiguous copies of their KV (at most the pool's size again in memory).
         self.decode_kv = DecodeKV(self.cache, max_tokens=num_blocks * block_size)
-        head = model.lm_head.weight
-        # Inference tensors keep no version counter, so a copy of one could go stale unseen.
-        self.lm_head = TransposedLMHead(head) if self.device.type == "cpu" and not head.is_inference() else None
+        if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
+            use_transposed_weight_layout(model)
 
     @torch.inference_mode()
     def run(self, step: StepInput, block_copies: list[tuple[int, int]]) -> torch.Tensor:
@@ -104,8 +100,6 @@ class ModelRunner:
         if not step.logits_index:
             return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
-        if self.lm_head is not None:
-            return self.lm_head(hidden[0, index]).float()  # [N, V]
         return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
 
     @torch.no_grad()
@@ -127,29 +121,24 @@ class ModelRunner:
         return num_loaded
 
 
-class TransposedLMHead:
-    """The vocabulary projection from a contiguous ``W^T [H, V]`` copy of the LM head (CPU only).
+def use_transposed_weight_layout(model: torch.nn.Module) -> int:
+    """Store every linear weight ``W [out, in]`` as a view of a contiguous ``W^T`` (CPU); returns how many.
 
-    MKL's sgemm re-packs a transposed operand on every call: for ``h @ W.T`` with ``W [V, H]``
-    that is the whole LM head (49 MB at 32k x 384) each decode step. Against ``W^T`` stored
-    contiguous the same matmul is 10-20 % faster at 16-128 rows (``docs/benchmarks.md``); on GPU
-    cuBLAS takes either layout at full speed, so no copy is kept there. The copy is rebuilt whenever
-    the weight changed in place (its version counter moved: ``update_weights``, or a trainer
-    stepping the model the engine was built on), so it is never stale. Same products and sums as
-    ``compute_logits``; only the memory layout differs.
+    Same values, same shapes, same parameter objects: only the strides change. ``F.linear`` then
+    hands MKL's sgemm a non-transposed operand, which it no longer re-packs on every call: the
+    vocabulary projection and most layer matmuls of a decode step get 1.1-1.8x faster below ~64 rows
+    (``docs/benchmarks.md``). The engine owns its model (``build_generator`` passes a copy), and
+    ``update_weights``' in-place copies keep the layout. A tied LM head is the embedding's
+    parameter: changed once (already non-contiguous the second time).
     """
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight  # [V, H], the model's own parameter
-        self._transposed = weight.detach().t().contiguous()  # [H, V]
-        self._version = weight._version
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, H]`` -> logits ``[N, V]``."""
-        if self.weight._version != self._version:
-            self._transposed = self.weight.detach().t().contiguous()
-            self._version = self.weight._version
-        return hidden @ self._transposed
+    num_changed = 0
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, torch.nn.Linear) and weight is not None and weight.is_contiguous():
+                weight.data = weight.data.t().contiguous().t()
+                num_changed += 1
+    return num_changed
 
 
 def num_kv_blocks_for(

@@ -94,8 +94,6 @@ class PolicyTrainer:
         self.correct = CORRECTIONS.get(settings.correction)
         self.kl = KL_ESTIMATORS.get(settings.kl_estimator)
         self.proximal = PROXIMAL_MODES[settings.proximal]
-        # "none" leaves decoupled PPO its raw behaviour weight instead of overriding it with 1.
-        self.is_identity_correction = self.correct is CORRECTIONS.get("none")
         if settings.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         self.num_optimizer_steps = 0
@@ -168,7 +166,7 @@ class PolicyTrainer:
         advantages = batch.advantages[index].unsqueeze(-1).expand_as(logp)  # [b, T]
         loss_tokens, stats = self.policy_loss(
             logp, logp_old, advantages, keep, logp_behav=logp_behav, clip_low=s.clip_low,
-            clip_high=s.clip_high, is_weights=None if self.is_identity_correction else is_weights)
+            clip_high=s.clip_high, is_weights=is_weights)
         kl_tokens = torch.zeros_like(logp)
         if logp_ref_all is not None:
             kl_tokens = torch.where(mask, self.kl(logp, logp_ref_all[index]), 0.0)
