@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import yaml
@@ -11,6 +12,7 @@ from rollout_helpers import REWARDS, TINY
 from tether.metrics import read_metrics
 from tether.recipes import run_train
 from tether.recipes.grpo import run_grpo
+from tether.rollout.generator_worker import GeneratorCounters
 from tether.rollout.local_backend import GeneratorCrashedError, ProcessTransport
 from tether.rollout.weights import SharedWeights
 
@@ -77,3 +79,27 @@ def test_a_generator_that_dies_is_reported_with_its_traceback(tiny_policy):
                 transport.poll(1.0)
     finally:
         transport.close()
+
+
+class _FloodingWorker:
+    """Finishes a 1 MB "group" every step: far more than a pipe holds while nobody polls."""
+
+    def __init__(self) -> None:
+        self.counters = GeneratorCounters()
+        self.is_idle = False
+
+    def step(self) -> list[bytes]:
+        return [b"x" * (1 << 20)]
+
+
+@pytest.mark.slow
+def test_close_stops_a_generator_that_ran_ahead_without_killing_it(tiny_policy):
+    """A generator that ran ahead leaves results nobody will read; its process must still exit on
+    its own when stopped (it used to hang flushing them into a full pipe until ``close`` timed out
+    after 10 s and terminated it, on every async run with S >= 2)."""
+    model, _ = tiny_policy
+    transport = ProcessTransport(_FloodingWorker, SharedWeights(model.named_parameters()), num_threads=1)
+    assert transport.poll(30.0)  # running, and producing
+    time.sleep(1.0)  # never polled again: the queue's pipe fills up
+    transport.close(timeout_s=10.0)
+    assert transport._process.exitcode == 0  # exited by itself, not terminated (-15)

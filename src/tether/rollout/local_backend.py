@@ -100,6 +100,10 @@ def run_generator_process(make_worker: Callable[[], GeneratorWorker], weights: S
                 results.put(("groups", groups, worker.counters))
             elif worker.is_idle:
                 time.sleep(0.001)  # waiting for weights or re-issued prompts
+        # Stopped: groups still queued will never be read. Without this the exit waits for the
+        # queue's feeder thread to push them through a full pipe, and ``close`` ran into its 10 s
+        # timeout whenever the generator had run ahead (S >= 2 left ~10 s on every run's clock).
+        results.cancel_join_thread()
     except Exception:  # reported to the trainer, which raises it; the process then exits
         results.put(("error", traceback.format_exc(), None))
 
