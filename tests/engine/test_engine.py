@@ -262,9 +262,15 @@ def test_sliding_window_matches_transformers(tmp_path):
 def test_pool_sized_from_a_byte_budget(qwen2_path):
     model = load_model(qwen2_path)
     # 2 layers x 2 KV heads x head_dim 16 x fp32, k and v: 512 bytes per token, 2 KiB per block of 4
-    engine = LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=10 * 2048 + 100))
+    # in the pool, and as much again for the contiguous decode copies: 4 KiB of budget per block.
+    engine = LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=10 * 4096 + 100))
     assert engine.block_manager.num_blocks == 10
     assert tuple(engine.runner.cache.k.shape) == (2, 10, 4, 2, 16)
+    assert engine.runner.decode_kv.max_tokens == 10 * 4  # the copies never outgrow the pool
+    # A draft model's KV (same number of blocks) comes out of the same budget.
+    drafted = LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=10 * 8192 + 100,
+                                                   speculative="draft"), draft_model=load_model(qwen2_path))
+    assert drafted.block_manager.num_blocks == 10
 
 
 def test_greedy_and_sampled_requests_share_a_batch(qwen2_path):

@@ -139,7 +139,8 @@ class EngineSection(Section):
     max_num_seqs: int = Field(256, ge=1, description="Sequences (samples) decoding at once.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Per-step token budget (prefill "
                                         "chunks + decodes).")
-    kv_cache_bytes: int | None = Field(None, ge=1, description="KV pool size in bytes; empty: "
+    kv_cache_bytes: int | None = Field(None, ge=1, description="KV memory in bytes (the paged pool, "
+                                       "its contiguous decode copies and a draft model's KV); empty: "
                                        "`kv_cache_memory_fraction` of free memory.")
     kv_cache_memory_fraction: float = Field(0.3, gt=0, le=1, description="Share of free memory for the "
                                             "KV pool when `kv_cache_bytes` is empty.")

@@ -15,7 +15,8 @@ class EngineConfig:
     max_num_seqs: int = 256  # sequences (samples, not prompts) running at once
     max_num_batched_tokens: int = 2048  # per-step token budget: prefill chunks + decodes
     max_model_len: int | None = None  # prompt + completion cap; None: the model's max positions
-    # KV pool size, first one set wins: a block count, a byte budget, else a fraction of free memory.
+    # KV pool size, first one set wins: a block count, a byte budget (covering the pool, its decode
+    # copies and a draft model's KV), else a fraction of free memory.
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.3

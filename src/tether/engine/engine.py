@@ -75,6 +75,7 @@ class LLMEngine:
         num_blocks = num_kv_blocks_for(
             model, config.block_size, config.num_kv_blocks, config.kv_cache_bytes,
             config.kv_cache_memory_fraction, max_blocks_useful=config.max_num_seqs * blocks_per_seq,
+            draft_model=draft_model if config.speculative == "draft" else None,
         )  # fmt: skip
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

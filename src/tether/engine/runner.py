@@ -141,6 +141,17 @@ def use_transposed_weight_layout(model: torch.nn.Module) -> int:
     return num_changed
 
 
+def kv_bytes_per_block(model: DecoderModel, block_size: int) -> int:
+    """Memory one block of the pool costs in all: the pool's block plus the same again that the
+    contiguous decode copies (``DecodeKV``, capped at the pool's size) may hold."""
+    first = next(iter(model.parameters()))
+    cfg = model.config
+    pool_block = KVCache.bytes_per_block(
+        cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, first.dtype
+    )
+    return 2 * pool_block
+
+
 def num_kv_blocks_for(
     model: DecoderModel,
     block_size: int,
@@ -148,20 +159,20 @@ def num_kv_blocks_for(
     kv_cache_bytes: int | None,
     memory_fraction: float,
     max_blocks_useful: int,
+    draft_model: DecoderModel | None = None,
 ) -> int:
     """The pool size: an explicit count, else a byte budget, else a fraction of free memory.
 
-    Budgets are capped at ``max_blocks_useful`` (every sequence slot at full length), which keeps a
-    CPU engine from claiming gigabytes it can never fill.
+    A budget covers all KV memory: the pool, its decode copies and, with a draft model, the draft's
+    pool and copies (same number of blocks). Budgets are capped at ``max_blocks_useful`` (every
+    sequence slot at full length), which keeps a CPU engine from claiming gigabytes it can never fill.
     """
     if num_kv_blocks is not None:
         return num_kv_blocks
-    first = next(iter(model.parameters()))
-    cfg = model.config
-    per_block = KVCache.bytes_per_block(
-        cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, first.dtype
-    )
+    per_block = kv_bytes_per_block(model, block_size)
+    if draft_model is not None:
+        per_block += kv_bytes_per_block(draft_model, block_size)
     if kv_cache_bytes is None:
-        kv_cache_bytes = int(free_memory_bytes(first.device) * memory_fraction)
-    budget = kv_cache_bytes
-    return max(1, min(budget // per_block, max_blocks_useful))
+        device = next(iter(model.parameters())).device
+        kv_cache_bytes = int(free_memory_bytes(device) * memory_fraction)
+    return max(1, min(kv_cache_bytes // per_block, max_blocks_useful))
