@@ -13,6 +13,9 @@ Async variants run generator and trainer as two processes with one torch thread 
 runs one process with torch's default threads (every core), ``sync_1t`` with one thread. Speed-ups
 are against the faster of the two sync variants run.
 
+``--task copy`` runs the same comparison on a generation-heavier workload (copy strings of 10-30
+characters, ~20-token completions, a 2-layer 128-wide model; use ``--sft-steps 1500``).
+
 ``--sft-cache DIR`` keeps the warm-started model between invocations (the SFT stage dominates the
 run on a small machine).
 """
@@ -39,6 +42,21 @@ from tether.config import load_config  # noqa: E402
 from tether.demo import COMMON, GRPO, SFT, held_out_accuracy  # noqa: E402
 from tether.recipes.grpo import run_grpo  # noqa: E402
 from tether.recipes.sft import run_sft  # noqa: E402
+
+# The workloads: the demo task (the issue's, completions ~3 tokens, training dominates a step) and a
+# generation-heavy one (copy strings of 10-30 characters: completions ~20 tokens), where generation
+# is most of a step, as in RL on long reasoning traces. (common, SFT, GRPO) overrides each.
+COPY_COMMON = ["data.task=copy", "data.task_options={min_chars: 10, max_chars: 30}",
+               "model.scratch.hidden_size=128", "model.scratch.intermediate_size=384",
+               "model.scratch.num_layers=2", "model.scratch.num_heads=4", "model.scratch.num_kv_heads=2",
+               "data.num_eval=100"]
+COPY_SFT = ["recipe=sft", "name=copy-sft", "trainer.lr=1e-3", "trainer.batch_size=32", "trainer.warmup_steps=20",
+            "trainer.schedule=cosine", "trainer.min_lr_ratio=0.1", "data.num_train=20000"]
+COPY_GRPO = ["recipe=grpo", "name=copy-grpo", "trainer.lr=1e-5", "rollout.group_size=8",
+             "rollout.prompts_per_step=16", "rollout.max_new_tokens=40", "rollout.temperature=1.0",
+             "data.num_train=2000"]
+WORKLOADS: dict[str, tuple[list[str], list[str], list[str]]] = {
+    "arith": (COMMON, SFT, GRPO), "copy": (COPY_COMMON, COPY_SFT, COPY_GRPO)}
 
 ASYNC = ["rollout.mode=async", "rollout.generator_threads=1", "trainer.num_threads=1"]
 VARIANTS: dict[str, list[str]] = {
@@ -67,8 +85,10 @@ class VariantResult:
     steady_step_s: float  # mean time/step_s after the first step (no process start, no first batch)
 
 
-def run_variant(name: str, base_model, tokenizer, rl_steps: int, seed: int, root: Path) -> VariantResult:
-    overrides = [*COMMON, *GRPO, f"seed={seed}", f"trainer.max_steps={rl_steps}", "logging.progress=none",
+def run_variant(name: str, base_model, tokenizer, rl_steps: int, seed: int, root: Path,
+                task: str = "arith") -> VariantResult:
+    common, _, grpo = WORKLOADS[task]
+    overrides = [*common, *grpo, f"seed={seed}", f"trainer.max_steps={rl_steps}", "logging.progress=none",
                  *VARIANTS[name]]
     config = load_config(None, overrides)
     model = copy.deepcopy(base_model)
@@ -87,11 +107,13 @@ def run_variant(name: str, base_model, tokenizer, rl_steps: int, seed: int, root
                          statistics.fmean(m["time/step_s"] for m in result.history[1:]))
 
 
-def warm_start(sft_steps: int, seed: int, root: Path, cache: Path | None):
-    config = load_config(None, [*COMMON, *SFT, f"seed={seed}", f"trainer.max_steps={sft_steps}",
+def warm_start(sft_steps: int, seed: int, root: Path, cache: Path | None, task: str = "arith"):
+    common, sft, _ = WORKLOADS[task]
+    config = load_config(None, [*common, *sft, f"seed={seed}", f"trainer.max_steps={sft_steps}",
                                 "logging.progress=none"])
     model, tokenizer = build_model_and_tokenizer(config.model, None, seed)
-    weights = cache / f"sft-{sft_steps}-seed{seed}.pt" if cache else None
+    name = f"sft-{sft_steps}-seed{seed}.pt" if task == "arith" else f"sft-{task}-{sft_steps}-seed{seed}.pt"
+    weights = cache / name if cache else None
     if weights is not None and weights.exists():
         model.load_state_dict(torch.load(weights))
         return model, tokenizer
@@ -131,6 +153,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--sft-cache", default=None, help="directory keeping the warm-started weights")
+    parser.add_argument("--task", default="arith", choices=sorted(WORKLOADS),
+                        help="arith: the demo task; copy: a generation-heavy workload (~20-token completions)")
     args = parser.parse_args()
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -142,11 +166,11 @@ def main() -> None:
         root = Path(tmp)
         start = time.perf_counter()
         model, tokenizer = warm_start(args.sft_steps, args.seed, root,
-                                      Path(args.sft_cache) if args.sft_cache else None)
+                                      Path(args.sft_cache) if args.sft_cache else None, args.task)
         print(f"SFT warm start: {args.sft_steps} steps in {time.perf_counter() - start:.0f}s", flush=True)
         results = []
         for name in names:
-            results.append(run_variant(name, model, tokenizer, args.rl_steps, args.seed, root))
+            results.append(run_variant(name, model, tokenizer, args.rl_steps, args.seed, root, args.task))
             r = results[-1]
             print(f"{name}: {r.wall_s:.1f}s, final reward {r.final_reward:.3f}, accuracy {r.accuracy:.1%}",
                   flush=True)
