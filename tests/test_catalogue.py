@@ -33,6 +33,8 @@ BAD_CONFIGS = [
     pytest.param("trainer:\n  max_steps: true\n", [], "trainer.max_steps: expected a number, not a boolean",
                  id="bool-for-int"),
     pytest.param("", ["trainer.lr=false"], "trainer.lr: expected a number, not a boolean", id="bool-for-float"),
+    pytest.param("", ["trainer.betas=[true, 0.999]"], "trainer.betas: expected a number, not a boolean",
+                 id="bool-in-a-tuple-of-floats"),
     pytest.param("rollout:\n  temperature: -1\n", [], "rollout.temperature: must be >= 0", id="below-bound"),
     pytest.param("", ["rollout.top_p=1.5"], "rollout.top_p: must be <= 1", id="above-bound"),
     pytest.param("recipe: ppo\n", [], "recipe: must be one of 'sft' or 'grpo', got 'ppo'", id="literal"),

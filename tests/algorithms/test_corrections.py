@@ -16,7 +16,7 @@ LOGP_BEHAV = torch.zeros(2, 3)
 MASK = torch.tensor([[True, True, True], [True, True, False]])
 
 
-def test_none_weights_every_valid_token_by_one():
+def test_none_keeps_every_valid_token_and_leaves_the_weight_to_the_loss():
     out = no_correction(LOGP_OLD, LOGP_BEHAV, MASK)
     assert out.weights is None  # the policy loss keeps its own weight
     assert torch.equal(out.keep_mask, MASK)

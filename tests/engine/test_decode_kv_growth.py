@@ -19,3 +19,17 @@ def test_slots_grow_to_the_cap_at_once_not_a_block_per_step():
     assert decode_kv.k.shape[1] * decode_kv.k.shape[3] <= 4 * 40
     assert decode_kv.k.shape[1] == 4  # rows are not doubled when only the slots get longer
     assert num_reallocations <= 5  # 4 -> 8 -> 16 -> 32 -> 40 tokens, not a block at a time
+
+
+def test_memory_stays_within_the_cap_when_the_batch_narrows_and_lengthens():
+    """A wide batch, then a few long stragglers (the end of every RL rollout): the copies must stay
+    within ``max_tokens`` (they used to keep every old row at the new length: 12.8x the cap)."""
+    cap = 20_480
+    pool = KVCache.allocate(1, 4096, BLOCK_SIZE, 1, 4, torch.float32, torch.device("cpu"))
+    decode_kv = DecodeKV(pool, max_tokens=cap)
+    for num_rows, length in [(256, 32), (200, 80), (10, 512), (2, 1024)]:
+        tables = [list(range(i * 8, i * 8 + length // BLOCK_SIZE)) for i in range(num_rows)]
+        spans = [SeqSpan(length - 1, 1, table) for table in tables]
+        assert decode_kv.assign(spans, pool, BLOCK_SIZE) == list(range(num_rows))
+        assert decode_kv.k.shape[1] * decode_kv.k.shape[3] <= cap, (num_rows, length, decode_kv.k.shape)
+        assert len(decode_kv.tables) == len(decode_kv.lengths) == decode_kv.k.shape[1]

@@ -304,3 +304,15 @@ def test_many_requests_through_a_tiny_pool_and_budget(qwen2_path):
     assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
     assert engine.stats.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == 12 and not engine.has_unfinished()
+
+
+def test_an_engine_built_in_inference_mode_leaves_the_model_trainable(qwen2_path):
+    """The layout change runs outside inference mode: the caller's model must still train."""
+    model = load_model(qwen2_path)
+    with torch.inference_mode():
+        engine = LLMEngine(model, config=EngineConfig(num_kv_blocks=64, block_size=4))
+        engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=3))
+    assert not any(p.is_inference() for p in model.parameters())
+    loss = model.compute_logits(model(torch.tensor([PROMPTS[0]]))).logsumexp(-1).mean()
+    loss.backward()  # raised "Inference tensors cannot be saved for backward" before the fix
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -82,13 +82,20 @@ def test_a_generator_that_dies_is_reported_with_its_traceback(tiny_policy):
 
 
 class _FloodingWorker:
-    """Finishes a 1 MB "group" every step: far more than a pipe holds while nobody polls."""
+    """Finishes eight 1 MB "groups", then idles: far more than a pipe (64 KB) holds while nobody polls."""
 
     def __init__(self) -> None:
         self.counters = GeneratorCounters()
-        self.is_idle = False
+        self.num_left = 8
+
+    @property
+    def is_idle(self) -> bool:
+        return self.num_left == 0
 
     def step(self) -> list[bytes]:
+        if self.num_left == 0:
+            return []
+        self.num_left -= 1
         return [b"x" * (1 << 20)]
 
 

@@ -14,6 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from tether.algorithms import ADVANTAGES, AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
 
 
+def _types_in(annotation: object) -> set[object]:
+    """Every type an annotation names, unions and tuples unpacked: ``tuple[float, float] | None`` ->
+    {tuple, float, NoneType}."""
+    found: set[object] = {annotation}
+    for arg in get_args(annotation):
+        found |= _types_in(arg)
+    return found
+
+
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, assignments are re-validated."""
 
@@ -23,10 +32,10 @@ class Section(BaseModel):
     @classmethod
     def _no_bool_for_numbers(cls, value: object, info: ValidationInfo) -> object:
         """``max_steps: true`` is a typo, not 1: pydantic's lax mode would take a bool as a number."""
-        if isinstance(value, bool) and info.field_name is not None:
-            annotation = cls.model_fields[info.field_name].annotation
-            allowed = get_args(annotation) or (annotation,)
-            if bool not in allowed and any(t in allowed for t in (int, float)):
+        items = value if isinstance(value, list | tuple) else [value]
+        if info.field_name is not None and any(isinstance(item, bool) for item in items):
+            allowed = _types_in(cls.model_fields[info.field_name].annotation)
+            if bool not in allowed and (int in allowed or float in allowed):
                 raise ValueError("expected a number, not a boolean")
         return value
 
@@ -143,7 +152,8 @@ class EngineSection(Section):
                                        "its contiguous decode copies and a draft model's KV); empty: "
                                        "`kv_cache_memory_fraction` of free memory.")
     kv_cache_memory_fraction: float = Field(0.3, gt=0, le=1, description="Share of free memory for the "
-                                            "KV pool when `kv_cache_bytes` is empty.")
+                                            "KV memory (as `kv_cache_bytes`) when `kv_cache_bytes` is "
+                                            "empty.")
     max_model_len: int | None = Field(None, ge=2, description="Prompt + completion cap; empty: the "
                                       "model's context length.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes (hash chain).")

@@ -138,7 +138,8 @@ class DecodeKV:
         return ordered
 
     def _reserve(self, num_rows: int, num_tokens: int) -> None:
-        """Grow to at least ``num_rows`` slots of ``num_tokens`` (doubling, so growth is rare)."""
+        """Hold at least ``num_rows`` slots of ``num_tokens`` (doubling, so growth is rare), never more
+        than ``max_tokens`` in all (``assign`` guarantees ``num_rows * num_tokens`` fits)."""
         num_layers, old_rows, num_kv_heads, old_tokens, head_dim = self.k.shape
         if num_rows <= old_rows and num_tokens <= old_tokens:
             return
@@ -147,17 +148,23 @@ class DecodeKV:
         new_rows = old_rows if num_rows <= old_rows else max(num_rows, 2 * old_rows)
         new_tokens = old_tokens if num_tokens <= old_tokens else max(num_tokens, 2 * old_tokens)
         if new_rows * new_tokens > self.max_tokens:
-            # Past the cap, grow straight to the longest slots the cap allows for these rows: growing
-            # by one block at a time reallocated the whole mirror nearly every step (8 % of a run).
-            new_rows = max(num_rows, old_rows)
-            new_tokens = max(num_tokens, old_tokens, self.max_tokens // new_rows)
+            # Past the cap: exactly the rows this step needs, each as long as the cap then allows.
+            # Straight there, not a block at a time (that reallocated nearly every step: 8 % of a run);
+            # and rows beyond this step's are dropped, or a wide batch followed by a few long
+            # stragglers kept every old row at the new length (many times the cap).
+            new_rows = num_rows
+            new_tokens = max(num_tokens, self.max_tokens // num_rows)
         shape = (num_layers, new_rows, num_kv_heads, new_tokens, head_dim)
+        kept_rows, kept_tokens = min(old_rows, new_rows), min(old_tokens, new_tokens)
         for name in ("k", "v"):
             grown = getattr(self, name).new_zeros(shape)
-            grown[:, :old_rows, :, :old_tokens] = getattr(self, name)
+            grown[:, :kept_rows, :, :kept_tokens] = getattr(self, name)[:, :kept_rows, :, :kept_tokens]
             setattr(self, name, grown)
-        self.tables += [None] * (new_rows - old_rows)
-        self.lengths += [0] * (new_rows - old_rows)
+        self.tables = (self.tables + [None] * new_rows)[:new_rows]
+        self.lengths = (self.lengths + [0] * new_rows)[:new_rows]
+        for slot, length in enumerate(self.lengths):
+            if length > new_tokens:  # cut short: gathered afresh when its sequence next decodes
+                self.tables[slot], self.lengths[slot] = None, 0
 
     def _move(self, moves: list[tuple[int, int]]) -> None:
         if moves:

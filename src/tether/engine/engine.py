@@ -56,7 +56,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Satisfies ``tether.engine.types.Generator``."""
+    """Satisfies ``tether.engine.types.Generator``.
+
+    The engine runs ``model`` itself (no copy: ``tether.builders.build_generator`` makes one). On
+    CPU it changes the memory layout of the model's linear weights (``use_transposed_weight_layout``:
+    same values and shapes, the model still trains and saves as before).
+    """
 
     def __init__(
         self,

@@ -127,15 +127,20 @@ def use_transposed_weight_layout(model: torch.nn.Module) -> int:
     Same values, same shapes, same parameter objects: only the strides change. ``F.linear`` then
     hands MKL's sgemm a non-transposed operand, which it no longer re-packs on every call: the
     vocabulary projection and most layer matmuls of a decode step get 1.1-1.8x faster below ~64 rows
-    (``docs/benchmarks.md``). The engine owns its model (``build_generator`` passes a copy), and
-    ``update_weights``' in-place copies keep the layout. A tied LM head is the embedding's
-    parameter: changed once (already non-contiguous the second time).
+    (``docs/benchmarks.md``). The engine owns its model (``build_generator`` passes a copy; a model
+    handed to ``LLMEngine`` directly keeps working for training and saving, only its strides change),
+    and ``update_weights``' in-place copies keep the layout. A tied LM head is the embedding's
+    parameter: changed once (already non-contiguous the second time). Outside inference mode even
+    when called inside it, so no parameter becomes an inference tensor; inference tensors (a model
+    built under ``torch.inference_mode``) are left as they are.
     """
     num_changed = 0
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         for module in model.modules():
             weight = getattr(module, "weight", None)
-            if isinstance(module, torch.nn.Linear) and weight is not None and weight.is_contiguous():
+            if not isinstance(module, torch.nn.Linear) or weight is None:
+                continue
+            if weight.is_contiguous() and not weight.is_inference():
                 weight.data = weight.data.t().contiguous().t()
                 num_changed += 1
     return num_changed

@@ -177,8 +177,10 @@ class PolicyTrainer:
         num_tokens = float(mask.sum())
         # Mismatch is trainer vs engine: the pre-update trainer weights, whatever the proximal mode.
         logp_trainer = logp_old if self.proximal is _proximal_recompute else logp
+        # No correction weights: is/* describe the raw ratio pi_old / pi_behav (the weight decoupled
+        # PPO applies; plain PPO applies none) and nothing counts as truncated.
         out = mismatch_metrics(logp_trainer, logp_behav, mask, is_weights=is_weights, keep_mask=keep,
-                               cap=s.correction_cap)
+                               cap=s.correction_cap if is_weights is not None else None)
         out.update({
             "loss/policy": float((w * loss_tokens).sum() - s.kl_coef * (w * kl_tokens).sum()),
             "kl/ref": float(kl_tokens.sum()) / max(num_tokens, 1.0),
