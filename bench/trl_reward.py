@@ -15,10 +15,11 @@
    (``num_generations``), prompts per step (``per_device_train_batch_size`` = prompts x group, one
    generation and one optimizer step per batch), ``max_completion_length``, temperature, top-k/p,
    clip epsilon, ``beta=0``, ``loss_type="dapo"`` (tether's default ``token_mean``), fp32 on CPU, no
-   gradient checkpointing, one torch thread, the same 2,000 training prompts (bos-prefixed like
-   tether's) and the task's own reward (``grpo_step.TaskReward``). Not equal, by design of each
-   framework: the order in which prompts are drawn (each shuffles with the seed its own way), GRPO's
-   std epsilon (TRL 1e-4, tether 1e-6), and generation (TRL calls ``model.generate`` on the training
+   gradient checkpointing, one torch thread (``--threads 2``: two for TRL and tether's ``sync``
+   variant), the same 2,000 training prompts (bos-prefixed like tether's) and the task's own reward
+   (``grpo_step.TaskReward``). Not equal, by design of each framework: the order in which prompts
+   are drawn (each shuffles with the seed its own way), GRPO's std epsilon (TRL 1e-4, tether 1e-6),
+   and generation (TRL calls ``model.generate`` on the training
    model; tether samples with its engine from a copy of the weights).
 
 Clock: model loading is excluded on both sides; everything the framework does after it counts.
@@ -77,6 +78,7 @@ class Settings:
     seed: int = 0
     sft_cache: str | None = None
     out: str | None = None
+    threads: int = 1  # torch threads of TRL and of tether's ``sync`` variant (``sync_1t``, ``s1``: 1 per process)
 
 
 @dataclass(slots=True)
@@ -119,6 +121,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     p.add_argument("--sft-cache", default=None, help="directory keeping the warm-started weights")
     p.add_argument("--out", default=None, help="write curves and settings as JSON here")
     p.add_argument("--quick", action="store_true", help=f"smoke-test size: {QUICK}")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch threads for TRL and tether's `sync` variant (compare `sync` with TRL at 2)")
     a = p.parse_args(argv)
     sizes = QUICK if a.quick else {"sft_steps": a.sft_steps, "rl_steps": a.rl_steps, "window": a.window}
     variants = tuple(v for v in a.variants.split(",") if v)
@@ -127,8 +131,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     if sizes["sft_steps"] < 1 or sizes["rl_steps"] < 1 or not 1 <= sizes["window"] <= sizes["rl_steps"]:
         p.error(f"need --sft-steps >= 1, --rl-steps >= 1, 1 <= --window <= --rl-steps; got {sizes}")
+    if a.threads < 1:
+        p.error(f"--threads must be >= 1, got {a.threads}")
     return Settings(sizes["sft_steps"], sizes["rl_steps"], variants, sizes["window"], a.target, a.seed,
-                    a.sft_cache, a.out)
+                    a.sft_cache, a.out, a.threads)
 
 
 def grpo_config(s: Settings, variant: str) -> ExperimentConfig:
@@ -287,7 +293,7 @@ def report(s: Settings, machine: MachineInfo, tether: Sequence[Curve], trl: Curv
 
 def main(argv: Sequence[str] | None = None) -> None:
     s = parse_args(argv)
-    set_threads(1)  # every system gets one torch thread per process (s1: generator + trainer)
+    set_threads(s.threads)  # TRL and `sync`; `sync_1t` and the async variants set their own
     machine = machine_info()
     print(f"machine: {machine.describe()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="tether-trl-reward-") as tmp:
