@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from tether.engine.attention import KVCache, PagedAttention, SeqSpan, _split_by_length, build_step_metadata
+from tether.engine.attention import PagedAttention, SeqSpan, _split_by_length, build_step_metadata
+from tether.engine.kv_cache import KVCache
 
 NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 6, 8, 4
 

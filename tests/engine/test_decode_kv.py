@@ -7,7 +7,8 @@ import torch
 
 from helpers.hf_tiny import make_hf_checkpoint
 from tether.engine import EngineConfig, LLMEngine, SamplingParams
-from tether.engine.attention import DecodeKV, KVCache, SeqSpan
+from tether.engine.attention import SeqSpan
+from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.models import load_model
 
 BLOCK_SIZE = 4

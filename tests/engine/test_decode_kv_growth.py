@@ -1,6 +1,7 @@
 import torch
 
-from tether.engine.attention import DecodeKV, KVCache, SeqSpan
+from tether.engine.attention import SeqSpan
+from tether.engine.kv_cache import DecodeKV, KVCache
 
 BLOCK_SIZE = 4
 

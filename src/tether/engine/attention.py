@@ -12,7 +12,8 @@ two padded batches, each one SDPA call per layer:
   plus new keys.
 
 All indices and masks are built once per step (``build_step_metadata``) and shared by all layers,
-so the per-layer work has no Python loop over sequences.
+so the per-layer work has no Python loop over sequences. The storage (the pool, and the contiguous
+copies decode rows read) lives in ``tether.engine.kv_cache``.
 """
 
 from __future__ import annotations
@@ -22,172 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tether.engine.kv_cache import DecodeKV, KVCache
+
 # Padding-aware grouping: split a group of rows only if it has this many rows and the split leaves
 # at most this fraction of the padded area (each extra group costs one more SDPA call per layer).
 _MIN_ROWS_TO_SPLIT = 8
 _MIN_SPLIT_GAIN = 0.8
 _MAX_SPLITS = 2
 
-
-@dataclass(slots=True)
-class KVCache:
-    """The pool. k, v: ``[num_layers, num_blocks, block_size, Hkv, D]``; slot = block * size + offset."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @classmethod
-    def allocate(
-        cls,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> KVCache:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeros, not empty: padded gathers read unused slots, and NaN garbage times a zero
-        # attention weight would still be NaN.
-        return cls(
-            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-        )
-
-    @staticmethod
-    def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Apply copy-on-write block copies, all layers at once."""
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.k.device)
-        dst = torch.tensor([d for _, d in copies], device=self.k.device)
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
-
-
-class DecodeKV:
-    """Contiguous per-sequence copies of the KV of decode rows, kept across steps.
-
-    Gathering every decode row's whole context out of the pool, per layer and per step, copies far
-    more than the step computes (on CPU it cost as much as the attention itself). Instead a sequence
-    that keeps decoding owns a slot here: its context is gathered once, then each step appends one
-    key/value per layer, and the decode SDPA reads slots ``[0, S)`` as a strided view, no copy.
-
-    A slot stays valid only while its sequence decodes in consecutive ``assign`` calls (same
-    ``block_table`` object, ``start`` equal to the slot's length): any other path that writes its KV
-    (prefill chunk, recompute after preemption, draft rollback) breaks the chain, and the next
-    decode gathers afresh. Memory is capped at ``max_tokens`` slots x length (the pool's own size);
-    past it ``assign`` returns None and the step gathers from the pool as before.
-    """
-
-    def __init__(self, pool: KVCache, max_tokens: int) -> None:
-        num_layers, _, _, num_kv_heads, head_dim = pool.k.shape
-        self.max_tokens = max_tokens
-        shape = (num_layers, 0, num_kv_heads, 0, head_dim)
-        self.k = pool.k.new_zeros(shape)  # [L, R, Hkv, C, D]
-        self.v = pool.v.new_zeros(shape)
-        self.tables: list[list[int] | None] = []  # [R] each slot's block_table object
-        self.lengths: list[int] = []  # [R] tokens held (the slot's next write position)
-
-    def clear(self) -> None:
-        self.tables = [None] * len(self.tables)
-
-    def assign(self, spans: list[SeqSpan], pool: KVCache, block_size: int) -> list[int] | None:
-        """Give each decode row of the step slot ``i``; returns the rows in slot order (None: over
-        the memory cap, use the pool). Moves and fills slots so that rows ``[0, S)`` are current."""
-        rows = [i for i, span in enumerate(spans) if span.num_new == 1]
-        capacity = -(-max((spans[i].start + 1 for i in rows), default=1) // block_size) * block_size
-        if len(rows) * capacity > self.max_tokens:
-            self.clear()
-            return None
-        self._reserve(len(rows), capacity)
-        slot_of = {id(table): slot for slot, table in enumerate(self.tables) if table is not None}
-        kept: dict[int, int] = {}  # row -> its current slot, for rows whose slot is still valid
-        for row in rows:
-            span, slot = spans[row], slot_of.get(id(spans[row].block_table))
-            # identity, not equality: a recycled table with equal ids is another sequence's KV
-            is_same_table = slot is not None and self.tables[slot] is span.block_table
-            if is_same_table and self.lengths[slot] == span.start:
-                kept[row] = slot
-        staying = {row for row in rows if kept.get(row, len(rows)) < len(rows)}  # keep their slots
-        free = sorted(set(range(len(rows))) - {kept[row] for row in staying})
-        order_by_slot: list[int | None] = [None] * len(rows)
-        for row in staying:
-            order_by_slot[kept[row]] = row
-        moves, fills = [], []
-        for row in rows:
-            if row in staying:
-                continue
-            slot = free.pop(0)
-            order_by_slot[slot] = row
-            (moves if row in kept else fills).append((row, slot))
-        self._move([(kept[row], slot) for row, slot in moves])
-        self._fill([(spans[row], slot) for row, slot in fills], pool, block_size)
-        ordered = [row for row in order_by_slot if row is not None]
-        self.tables = [spans[row].block_table for row in ordered] + [None] * (len(self.tables) - len(ordered))
-        self.lengths = [spans[row].start + 1 for row in ordered] + [0] * (len(self.lengths) - len(ordered))
-        return ordered
-
-    def _reserve(self, num_rows: int, num_tokens: int) -> None:
-        """Hold at least ``num_rows`` slots of ``num_tokens`` (doubling, so growth is rare), never more
-        than ``max_tokens`` in all (``assign`` guarantees ``num_rows * num_tokens`` fits)."""
-        num_layers, old_rows, num_kv_heads, old_tokens, head_dim = self.k.shape
-        if num_rows <= old_rows and num_tokens <= old_tokens:
-            return
-        # Double only the dimension that is short: doubling rows for longer slots halved the tokens
-        # per slot the cap allows.
-        new_rows = old_rows if num_rows <= old_rows else max(num_rows, 2 * old_rows)
-        new_tokens = old_tokens if num_tokens <= old_tokens else max(num_tokens, 2 * old_tokens)
-        if new_rows * new_tokens > self.max_tokens:
-            # Past the cap: exactly the rows this step needs, each as long as the cap then allows.
-            # Straight there, not a block at a time (that reallocated nearly every step: 8 % of a run);
-            # and rows beyond this step's are dropped, or a wide batch followed by a few long
-            # stragglers kept every old row at the new length (many times the cap).
-            new_rows = num_rows
-            new_tokens = max(num_tokens, self.max_tokens // num_rows)
-        shape = (num_layers, new_rows, num_kv_heads, new_tokens, head_dim)
-        kept_rows, kept_tokens = min(old_rows, new_rows), min(old_tokens, new_tokens)
-        for name in ("k", "v"):
-            grown = getattr(self, name).new_zeros(shape)
-            grown[:, :kept_rows, :, :kept_tokens] = getattr(self, name)[:, :kept_rows, :, :kept_tokens]
-            setattr(self, name, grown)
-        self.tables = (self.tables + [None] * new_rows)[:new_rows]
-        self.lengths = (self.lengths + [0] * new_rows)[:new_rows]
-        for slot, length in enumerate(self.lengths):
-            if length > new_tokens:  # cut short: gathered afresh when its sequence next decodes
-                self.tables[slot], self.lengths[slot] = None, 0
-
-    def _move(self, moves: list[tuple[int, int]]) -> None:
-        if moves:
-            src = torch.tensor([s for s, _ in moves], device=self.k.device)
-            dst = torch.tensor([d for _, d in moves], device=self.k.device)
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
-
-    def _fill(self, fills: list[tuple[SeqSpan, int]], pool: KVCache, block_size: int) -> None:
-        """Copy each new row's computed context ``[0, start)`` out of the pool, all layers at once."""
-        fills = [(span, slot) for span, slot in fills if span.start > 0]
-        if not fills:
-            return
-        num_blocks = max(-(-span.start // block_size) for span, _ in fills)
-        tables = [span.block_table[:num_blocks] + [0] * (num_blocks - len(span.block_table))
-                  for span, _ in fills]
-        ids = torch.tensor(tables, dtype=torch.long, device=self.k.device).view(-1)  # [n * Nb]
-        dst = torch.tensor([slot for _, slot in fills], device=self.k.device)
-        width = num_blocks * block_size
-        for mirror, source in ((self.k, pool.k), (self.v, pool.v)):
-            gathered = source.index_select(1, ids)  # [L, n * Nb, bs, Hkv, D]
-            gathered = gathered.view(source.shape[0], len(fills), width, *source.shape[3:]).transpose(2, 3)
-            mirror[:, dst, :, :width] = gathered  # [L, n, Hkv, width, D]
 
 
 @dataclass(slots=True)

@@ -14,7 +14,8 @@ from typing import Protocol
 
 import torch
 
-from tether.engine.attention import DecodeKV, KVCache, PagedAttention, SeqSpan, build_step_metadata
+from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
+from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
 
