@@ -10,12 +10,18 @@ of gathering it from the pool every step (``DecodeKV``); both are written by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from tether.engine.attention import SeqSpan
+
+class SeqSpan(Protocol):
+    """What a step computes for one sequence (``tether.engine.attention.SeqSpan``): tokens
+    ``[start, start + num_new)`` of ``block_table``."""
+
+    start: int
+    num_new: int
+    block_table: list[int]
 
 
 @dataclass(slots=True)
