@@ -85,6 +85,14 @@ class VariantResult:
     steady_step_s: float  # mean time/step_s after the first step (no process start, no first batch)
 
 
+def timed_grpo(config, run_dir: Path, model, tokenizer):
+    """(``run_grpo``'s result, its wall-clock in seconds). ``run_grpo`` restores the torch threads
+    it changes, so variants run one after another see the same setting."""
+    start = time.perf_counter()
+    result = run_grpo(config, run_dir, model, tokenizer)
+    return result, time.perf_counter() - start
+
+
 def run_variant(name: str, base_model, tokenizer, rl_steps: int, seed: int, root: Path,
                 task: str = "arith") -> VariantResult:
     common, _, grpo = WORKLOADS[task]
@@ -92,11 +100,7 @@ def run_variant(name: str, base_model, tokenizer, rl_steps: int, seed: int, root
                  *VARIANTS[name]]
     config = load_config(None, overrides)
     model = copy.deepcopy(base_model)
-    threads = torch.get_num_threads()
-    start = time.perf_counter()
-    result = run_grpo(config, root / name, model, tokenizer)
-    wall_s = time.perf_counter() - start
-    torch.set_num_threads(threads)
+    result, wall_s = timed_grpo(config, root / name, model, tokenizer)
     curve = [m["reward/mean"] for m in result.history]
     tail = curve[-max(1, len(curve) // 4):]
     accuracy = held_out_accuracy(model, tokenizer, config).accuracy

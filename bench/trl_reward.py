@@ -54,14 +54,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from async_rl import VARIANTS, warm_start  # noqa: E402
+from async_rl import VARIANTS, timed_grpo, warm_start  # noqa: E402
 from common import MachineInfo, machine_info, set_threads  # noqa: E402
 from grpo_step import TaskReward  # noqa: E402
 from tether.builders import build_model_and_tokenizer, build_prompt_data  # noqa: E402
 from tether.config import ExperimentConfig, load_config  # noqa: E402
 from tether.demo import COMMON, GRPO  # noqa: E402
 from tether.models.checkpoint import save_model  # noqa: E402
-from tether.recipes.grpo import run_grpo  # noqa: E402
 from tether.training.optim import build_optimizer, build_scheduler  # noqa: E402
 
 TARGET_FRACTION = 0.95  # of the lowest best smoothed reward: every system reaches the target
@@ -156,11 +155,7 @@ def sft_checkpoint(s: Settings, root: Path) -> Path:
 def run_tether(s: Settings, checkpoint: Path, variant: str, root: Path) -> Curve:
     config = grpo_config(s, variant)
     model, tokenizer = build_model_and_tokenizer(config.model, str(checkpoint), config.seed)  # off the clock
-    threads = torch.get_num_threads()
-    start = time.perf_counter()
-    result = run_grpo(config, root / variant, model, tokenizer)
-    total_s = time.perf_counter() - start
-    torch.set_num_threads(threads)
+    result, total_s = timed_grpo(config, root / variant, model, tokenizer)
     step_s = [m["time/step_s"] for m in result.history]
     startup_s = total_s - sum(step_s)
     ends_s, elapsed = [], startup_s

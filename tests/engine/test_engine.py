@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.hf_tiny import FAMILIES, make_hf_checkpoint
-from helpers.reference import full_forward_logprobs
+from helpers.reference import assert_same_completions, full_forward_logprobs
 from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
 from tether.errors import CheckpointError, ConfigError
 from tether.models import build_char_tokenizer, load_model
@@ -75,9 +75,7 @@ def test_results_do_not_depend_on_scheduling(qwen2_path, overrides):
     reference = make_engine(qwen2_path).generate(PROMPTS, SAMPLED)
     engine = make_engine(qwen2_path, **overrides)
     completions = engine.generate(PROMPTS, SAMPLED)
-    for got, expected in zip(completions, reference):
-        assert got.token_ids == expected.token_ids
-        assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+    assert_same_completions(completions, reference)
     if "num_kv_blocks" in overrides:
         assert engine.stats.num_preemptions > 0
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.hf_tiny import make_hf_checkpoint
-from helpers.reference import full_forward_logprobs
+from helpers.reference import assert_same_completions, full_forward_logprobs
 from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
 from tether.engine.speculative import NgramProposer, accept_drafts, accept_greedy, ngram_lookup
 from tether.errors import ConfigError
@@ -240,9 +240,7 @@ def test_greedy_does_not_depend_on_scheduling(paths, plain_greedy, proposer, ove
     params = SamplingParams(temperature=0.0, max_new_tokens=20, n=2)
     engine = spec_engine(paths, proposer, **overrides)
     completions = engine.generate(PROMPTS, params)
-    for got, expected in zip(completions, plain_greedy):
-        assert got.token_ids == expected.token_ids
-        assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+    assert_same_completions(completions, plain_greedy)
     if "num_kv_blocks" in overrides:
         assert engine.stats.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

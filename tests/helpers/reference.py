@@ -13,3 +13,11 @@ def full_forward_logprobs(hf, completion: Completion, params: SamplingParams) ->
         logits = hf(ids).logits[0, len(completion.prompt_ids) - 1 : -1]  # [n, V]
     processed = process_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     return processed.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
+
+
+def assert_same_completions(got: list[Completion], expected: list[Completion], atol: float = 1e-4) -> None:
+    """The same tokens, and log-probs within ``atol``, completion by completion."""
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.token_ids == e.token_ids
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=atol, rtol=0.0)

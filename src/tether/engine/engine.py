@@ -227,15 +227,10 @@ class LLMEngine:
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]  # [N', V]
         result = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        done = []
+        done: list[Completion] = []
         for seq, token_id, logprob in zip(seqs, result.token_ids, result.logprobs):
-            seq.append_token(token_id, logprob, self.policy_version)
-            reason = finish_reason(seq, self.max_model_len, self.tokenizer)
-            if reason is not None:
-                seq.finish(reason)
-                done.append(seq.to_completion(seq.request_id))
-                self._forget_if_done(seq.request_id)
-        self.stats.num_generated_tokens += len(seqs)
+            self._emit(seq, [token_id], [logprob])
+            self._collect_if_finished(seq, done)
         self.scheduler.remove_finished()
         return done
 
@@ -249,7 +244,7 @@ class LLMEngine:
         verdict = verify(logits, verifiers, drafts)
         # The step's one host sync for the verifiers.
         token_ids, token_logprobs = verdict.token_ids.tolist(), verdict.logprobs.tolist()
-        done = []
+        done: list[Completion] = []
         for seq, draft, num_accepted, ids, lps in zip(
             verifiers, drafts, verdict.num_accepted.tolist(), token_ids, token_logprobs
         ):
@@ -264,11 +259,14 @@ class LLMEngine:
             self.stats.num_decode_tokens += draft.num_tokens + 1 - int(is_prompt_end)
             self.stats.num_draft_tokens += draft.num_tokens
             self.stats.num_accepted_tokens += num_accepted
-            if seq.is_finished:
-                done.append(seq.to_completion(seq.request_id))
-                self._forget_if_done(seq.request_id)
+            self._collect_if_finished(seq, done)
         self.scheduler.remove_finished()
         return done
+
+    def _collect_if_finished(self, seq: Sequence, done: list[Completion]) -> None:
+        if seq.is_finished:
+            done.append(seq.to_completion(seq.request_id))
+            self._forget_if_done(seq.request_id)
 
     def _emit(self, seq: Sequence, token_ids: list[int], logprobs: list[float]) -> int:
         """Append tokens until one finishes ``seq`` (stop token/string, length); returns how many."""
