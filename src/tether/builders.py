@@ -117,14 +117,13 @@ def build_rewards(config: ExperimentConfig, task: Task | None) -> RewardComputer
                            for spec in config.rewards])
 
 
+def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's eos as engine stop ids (none when it has no eos)."""
+    return tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+
+
 def build_generator(model: torch.nn.Module, tokenizer: Any, engine: EngineSection | None = None) -> LLMEngine:
     """The rollout engine for a policy: its own copy of the weights, synced by ``update_weights``."""
-    e = engine or EngineSection()
-    eos = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
-    config = EngineConfig(
-        block_size=e.block_size, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-        kv_cache_bytes=e.kv_cache_bytes, kv_cache_memory_fraction=e.kv_cache_memory_fraction,
-        max_model_len=e.max_model_len, enable_prefix_caching=e.enable_prefix_caching,
-        enable_chunked_prefill=e.enable_chunked_prefill, recompute_kv_on_update=e.recompute_kv_on_update,
-        stop_token_ids=eos)
+    # Every ``engine.*`` config key is an ``EngineConfig`` field of the same name.
+    config = EngineConfig(**(engine or EngineSection()).model_dump(), stop_token_ids=eos_token_ids(tokenizer))
     return LLMEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer, config=config)

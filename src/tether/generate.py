@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tether.builders import DTYPES
+from tether.builders import DTYPES, eos_token_ids
 from tether.data.loading import load_prompts
 from tether.data.records import PromptRecord
 from tether.engine.config import EngineConfig
@@ -46,8 +46,7 @@ def build_engine(args: argparse.Namespace, tokenizer: Any) -> LLMEngine:
     model = load_model(args.model, dtype=dtype)
     draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
     speculative = "draft" if draft is not None else args.speculative
-    eos = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
-    config = EngineConfig(stop_token_ids=eos, seed=args.seed, speculative=speculative,
+    config = EngineConfig(stop_token_ids=eos_token_ids(tokenizer), seed=args.seed, speculative=speculative,
                           num_speculative_tokens=args.num_speculative_tokens)
     return LLMEngine(model, tokenizer=tokenizer, config=config, draft_model=draft)
 

@@ -64,6 +64,11 @@ def is_partial_rollouts(config: ExperimentConfig) -> bool:
     return r.partial_rollouts if r.partial_rollouts is not None else (r.max_staleness > 0 or r.oversample > 0)
 
 
+def max_staleness(config: ExperimentConfig) -> int:
+    """The staleness bound in force: ``rollout.max_staleness`` in async mode; sync is on-policy (0)."""
+    return config.rollout.max_staleness if config.rollout.mode == "async" else 0
+
+
 def uses_async_driver(config: ExperimentConfig) -> bool:
     r = config.rollout
     return r.mode == "async" or r.oversample > 0 or r.dynamic_sampling
@@ -113,7 +118,7 @@ def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any)
     r = config.rollout
     settings = GeneratorSettings(
         sampling=sampling_params(config, tokenizer), groups_per_batch=r.prompts_per_step,
-        max_staleness=r.max_staleness if r.mode == "async" else 0, num_extra_groups=r.oversample,
+        max_staleness=max_staleness(config), num_extra_groups=r.oversample,
         is_partial_rollouts=is_partial_rollouts(config), is_dynamic_sampling=r.dynamic_sampling)
     return GeneratorWorker(
         build_generator(model, tokenizer, config.engine), DataCursor(data.train, seed=config.seed),
@@ -136,8 +141,7 @@ def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any)
         transport = ProcessTransport(make_worker, weights, num_threads=thread_split(config)[1])
     else:
         transport = InProcessTransport(build_generator_worker(config, model, tokenizer))
-    max_staleness = r.max_staleness if r.mode == "async" else 0
-    return AsyncRLComponents(transport, build_trainer(config, model), RolloutBuffer(max_staleness),
+    return AsyncRLComponents(transport, build_trainer(config, model), RolloutBuffer(max_staleness(config)),
                              ADVANTAGES.get(config.algorithm.advantage), groups_per_batch=r.prompts_per_step,
                              group_size=r.group_size)
 
@@ -154,12 +158,12 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
     if uses_async_driver(config):
         components: Any = build_async_components(config, model, tokenizer)
         step_fn: Any = async_rl_step
-        if config.rollout.mode == "async":
-            torch.set_num_threads(thread_split(config)[0])
     else:
         components, step_fn = build_components(config, model, tokenizer), rl_step
-    if config.rollout.mode == "sync" and config.trainer.num_threads > 0:
-        torch.set_num_threads(config.trainer.num_threads)
+    # The trainer's threads (async: its share of the cores; the generator process has the rest).
+    trainer_threads = thread_split(config)[0] if config.rollout.mode == "async" else config.trainer.num_threads
+    if trainer_threads > 0:
+        torch.set_num_threads(trainer_threads)
     try:
         with MetricsWriter(run_dir, progress) as writer:
             while state.step < config.trainer.max_steps:

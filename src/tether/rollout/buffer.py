@@ -20,6 +20,12 @@ from tether.engine.types import Completion
 from tether.rewards.compute import RewardResult
 
 
+def oldest_token_version(completion: Completion, default: int) -> int:
+    """The policy version of a sample's oldest token (``default`` for an empty completion): the
+    version its lag is counted from."""
+    return min(completion.versions, default=default)
+
+
 @dataclass(slots=True)
 class GroupRollout:
     """One prompt's group of samples, finished and scored."""
@@ -34,7 +40,7 @@ class GroupRollout:
 
     def sample_oldest_versions(self) -> list[int]:
         """[G] version of each sample's oldest token (the start version for an empty completion)."""
-        return [min(c.versions, default=self.start_version) for c in self.completions]
+        return [oldest_token_version(c, self.start_version) for c in self.completions]
 
     @property
     def oldest_version(self) -> int:
@@ -80,8 +86,10 @@ class RolloutBuffer:
 
         Oldest groups go first: they are the nearest to expiring. Ties keep admission order.
         """
-        fresh = [g for g in self.groups if is_consumable(g, trainer_version, self.max_staleness)]
-        stale = [g for g in self.groups if not is_consumable(g, trainer_version, self.max_staleness)]
+        fresh: list[GroupRollout] = []
+        stale: list[GroupRollout] = []
+        for group in self.groups:
+            (fresh if is_consumable(group, trainer_version, self.max_staleness) else stale).append(group)
         if len(fresh) < num_groups:
             self.groups = fresh
             return BatchTake(None, stale)

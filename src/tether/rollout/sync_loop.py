@@ -20,6 +20,7 @@ from tether.data.cursor import DataCursor
 from tether.data.records import PromptRecord
 from tether.engine.types import Completion, Generator, SamplingParams
 from tether.rewards import RewardComputer
+from tether.rollout.buffer import oldest_token_version
 from tether.training.batch import RolloutBatch
 from tether.training.policy import PolicyTrainer
 
@@ -83,7 +84,7 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
     advantages = c.advantage_fn(rewards, group_size)  # advantages
 
     batch = build_rollout_batch(prompt_ids, completions, rewards, advantages, group_size)
-    lags = state.policy_version - torch.tensor([min(comp.versions, default=state.policy_version)
+    lags = state.policy_version - torch.tensor([oldest_token_version(comp, state.policy_version)
                                                 for comp in completions])  # [B], all 0 on-policy
     train_metrics = c.trainer.train_on(batch)  # loss -> optimizer step
 

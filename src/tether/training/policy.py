@@ -16,6 +16,7 @@ The engine/trainer mismatch (``mismatch/*``, ``is/*``) is measured on every batc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,9 +75,21 @@ def _proximal_bypass(logp: torch.Tensor, logp_old_all: torch.Tensor | None, logp
     return logp_behav
 
 
-# How the proximal log-probs ``logp_old`` [b, T] of decoupled PPO are obtained (``algorithm.proximal``).
-PROXIMAL_MODES = {"recompute": _proximal_recompute, "loglinear": _proximal_loglinear,
-                  "bypass": _proximal_bypass}
+@dataclass(frozen=True, slots=True)
+class ProximalMode:
+    """How the proximal log-probs ``logp_old`` [b, T] of decoupled PPO are obtained."""
+
+    logprobs: Callable[..., torch.Tensor]  # (logp, logp_old_all, logp_behav, versions, version, epoch)
+    # logp_old are the trainer's own pre-update weights: they need a scoring pass when epochs > 1,
+    # and they are what the engine/trainer mismatch is measured against.
+    is_pre_update: bool
+
+
+PROXIMAL_MODES = {  # ``algorithm.proximal``
+    "recompute": ProximalMode(_proximal_recompute, is_pre_update=True),
+    "loglinear": ProximalMode(_proximal_loglinear, is_pre_update=False),
+    "bypass": ProximalMode(_proximal_bypass, is_pre_update=False),
+}
 
 
 class PolicyTrainer:
@@ -130,8 +143,7 @@ class PolicyTrainer:
         logp_ref = self._score_all(self.ref_model, batch, chunks) if s.kl_coef > 0 else None
         # The proximal policy: pre-update weights. One epoch never changes them before the loss is
         # built, so the current log-probs (detached) are exact and the extra forward is skipped.
-        is_recompute = self.proximal is _proximal_recompute
-        is_rescored = s.epochs_per_batch > 1 and is_recompute
+        is_rescored = s.epochs_per_batch > 1 and self.proximal.is_pre_update
         logp_old = self._score_all(self.model, batch, chunks) if is_rescored else None
         version = int(batch.versions.max()) if policy_version is None else policy_version
         totals: dict[str, float] = {}
@@ -159,7 +171,7 @@ class PolicyTrainer:
         mask = batch.mask[index]  # [b, T]
         logp, entropy = self._logprobs(self.model, batch, rows)  # [b, T] with grad
         logp_behav = batch.behaviour_logprobs[index]
-        logp_old = self.proximal(logp, None if logp_old_all is None else logp_old_all[index], logp_behav,
+        logp_old = self.proximal.logprobs(logp, None if logp_old_all is None else logp_old_all[index], logp_behav,
                                  batch.versions[index], version, epoch)
         correction = self.correct(logp_old, logp_behav, mask, cap=s.correction_cap)
         is_weights, keep = correction.weights, correction.keep_mask
@@ -176,7 +188,7 @@ class PolicyTrainer:
         loss_tokens, kl_tokens = loss_tokens.detach(), kl_tokens.detach()
         num_tokens = float(mask.sum())
         # Mismatch is trainer vs engine: the pre-update trainer weights, whatever the proximal mode.
-        logp_trainer = logp_old if self.proximal is _proximal_recompute else logp
+        logp_trainer = logp_old if self.proximal.is_pre_update else logp
         # No correction weights: is/* describe the raw ratio pi_old / pi_behav (the weight decoupled
         # PPO applies; plain PPO applies none) and nothing counts as truncated.
         out = mismatch_metrics(logp_trainer, logp_behav, mask, is_weights=is_weights, keep_mask=keep,
