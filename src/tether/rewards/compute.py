@@ -31,6 +31,21 @@ class RewardResult:
     num_errors: dict[str, int] = field(default_factory=dict)
     first_error: str | None = None
 
+    @classmethod
+    def concatenate(cls, results: Sequence[RewardResult]) -> RewardResult:
+        """One result over all samples of ``results``, in order (a component missing from a part
+        scores 0 there; error counts add up; the first error message wins)."""
+        totals = [t for r in results for t in r.totals]
+        names = list(dict.fromkeys(name for r in results for name in r.components))
+        components = {name: [s for r in results for s in r.components.get(name, [0.0] * len(r.totals))]
+                      for name in names}
+        num_errors: dict[str, int] = {}
+        for r in results:
+            for name, count in r.num_errors.items():
+                num_errors[name] = num_errors.get(name, 0) + count
+        first_error = next((r.first_error for r in results if r.first_error), None)
+        return cls(totals, components, num_errors, first_error)
+
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {
             "reward/mean": statistics.fmean(self.totals) if self.totals else 0.0,

@@ -66,17 +66,7 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
 
 def merge_scores(groups: list[GroupRollout]) -> RewardResult:
     """The groups' rewards as one ``RewardResult`` over all their samples, in group order."""
-    totals = [t for g in groups for t in g.scores.totals]
-    names = list(dict.fromkeys(name for g in groups for name in g.scores.components))
-    components = {name: [s for g in groups
-                         for s in g.scores.components.get(name, [0.0] * len(g.scores.totals))]
-                  for name in names}
-    num_errors: dict[str, int] = {}
-    for g in groups:
-        for name, count in g.scores.num_errors.items():
-            num_errors[name] = num_errors.get(name, 0) + count
-    first_error = next((g.scores.first_error for g in groups if g.scores.first_error), None)
-    return RewardResult(totals, components, num_errors, first_error)
+    return RewardResult.concatenate([g.scores for g in groups])
 
 
 def groups_to_batch(groups: list[GroupRollout], advantage_fn: Callable[..., torch.Tensor], group_size: int,
