@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
+from tether.engine.cpu_kernels import PackedLinear, is_onednn_linear_available
 from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
@@ -36,6 +37,7 @@ class DecoderModel(Protocol):
     """What the engine needs from ``tether.models.Decoder`` (an ``nn.Module``)."""
 
     config: ModelShape
+    lm_head: torch.nn.Linear  # the vocabulary projection: compute_logits(h) == lm_head(h)
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None, attn: AttentionBackend | None
@@ -65,7 +67,9 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: DecoderModel, num_blocks: int, block_size: int, is_lm_head_packed: bool = True
+    ) -> None:
         first = next(iter(model.parameters()))
         self.model = model
         self.device, self.dtype = first.device, first.dtype
@@ -81,6 +85,10 @@ class ModelRunner:
         self.decode_kv = DecodeKV(self.cache, max_tokens=num_blocks * block_size)
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
             use_transposed_weight_layout(model)
+        # CPU fp32: logits through a oneDNN-reordered copy of the vocabulary projection (cpu_kernels).
+        head = model.lm_head
+        is_packable = head.bias is None and is_onednn_linear_available(head.weight)
+        self.packed_lm_head = PackedLinear(head.weight) if is_lm_head_packed and is_packable else None
 
     @torch.inference_mode()
     def run(self, step: StepInput, block_copies: list[tuple[int, int]]) -> torch.Tensor:
@@ -101,7 +109,13 @@ class ModelRunner:
         if not step.logits_index:
             return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
+        return self.compute_logits(hidden[0, index]).float()  # [N, V]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[N, H]`` -> logits ``[N, V]`` in the model's dtype."""
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden)
+        return self.model.compute_logits(hidden)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

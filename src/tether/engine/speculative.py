@@ -117,9 +117,12 @@ class DraftModelProposer:
     so a stale or imprecise draft cache costs speed, never exactness.
     """
 
-    def __init__(self, draft_model: DecoderModel, num_tokens: int, *, num_blocks: int, block_size: int):
+    def __init__(
+        self, draft_model: DecoderModel, num_tokens: int, *, num_blocks: int, block_size: int,
+        is_lm_head_packed: bool = True,
+    ) -> None:
         self.num_tokens = num_tokens
-        self.runner = ModelRunner(draft_model, num_blocks, block_size)
+        self.runner = ModelRunner(draft_model, num_blocks, block_size, is_lm_head_packed)
 
     def propose(
         self, seqs: list[Sequence], max_num_tokens: list[int], block_copies: list[tuple[int, int]]
@@ -313,7 +316,8 @@ def build_proposer(
             f"engine.max_model_len={max_model_len}"
         )
     return DraftModelProposer(
-        draft_model, config.num_speculative_tokens, num_blocks=num_blocks, block_size=config.block_size
+        draft_model, config.num_speculative_tokens, num_blocks=num_blocks, block_size=config.block_size,
+        is_lm_head_packed=config.cpu_pack_lm_head,
     )
 
 
