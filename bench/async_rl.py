@@ -69,6 +69,10 @@ VARIANTS: dict[str, list[str]] = {
     "s4_cut": [*ASYNC, "rollout.max_staleness=4", "rollout.oversample=4"],
     "s4_ppo_behav": [*ASYNC, "rollout.max_staleness=4", "algorithm.policy_loss=ppo_clip",
                      "algorithm.proximal=bypass"],
+    # Oversubscribed: the trainer takes both cores, the generator's one thread time-slices with it
+    # (run with OMP_WAIT_POLICY=PASSIVE so idle OpenMP threads sleep instead of spinning).
+    "s1_t2": ["rollout.mode=async", "rollout.generator_threads=1", "trainer.num_threads=2",
+              "rollout.max_staleness=1"],
 }
 
 

@@ -17,8 +17,11 @@ Systems, each timed ``repeats`` times (best kept: other processes only ever slow
 * transformers continuous batching (``attn_implementation="paged|sdpa"``, the machinery behind
   ``generate_batch``), driven through its manager so each request carries its own ``max_new_tokens``.
 
-Then the same with uniform budgets (every sample 256 tokens), tether vs ``generate``, and tether's
-decode throughput in FLOP/s against the machine's fp32 matmul rate (``decode_flops_per_token``).
+After the mixed comparison, the workload's roofline on this machine (``roofline_seconds``: the
+fastest any engine can run it at the measured matmul rate and read bandwidth) and the shares of it
+that tether reaches and that 10x ``generate_batch`` would need. Then the same with uniform budgets
+(every sample 256 tokens), tether vs ``generate``, and tether's decode throughput in FLOP/s against
+the machine's fp32 matmul rate (``decode_flops_per_token``) at the bench's batch and twice it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from common import machine_info, set_threads  # noqa: E402
+from common import machine_info, measure_read_gbps, set_threads  # noqa: E402
 from helpers.hf_tiny import make_hf_model  # noqa: E402
 from tether.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from tether.models.checkpoint import load_model  # noqa: E402
@@ -110,12 +113,23 @@ def best_time(run: Callable[[], int], repeats: int) -> tuple[float, int]:
 # ---------------------------------------------------------------------------------------------- tether
 
 
+STEP_TOKENS = 4096  # tether's per-step token budget (max_num_batched_tokens)
+
+
+def num_prefill_steps(num_rows: int, s: BenchSettings) -> int:
+    """Steps measure_decode's prompts take to prefill under the step budget."""
+    return -(-num_rows * s.max_prompt_tokens // STEP_TOKENS)
+
+
 def tether_engine(model: torch.nn.Module, s: BenchSettings) -> LLMEngine:
     max_len = s.max_prompt_tokens + s.max_budget
     block_size = 16
     num_blocks = s.num_rows * -(-max_len // block_size) + s.num_prompts  # every row at full length
-    config = EngineConfig(block_size=block_size, max_num_seqs=max(s.num_rows, s.decode_batch),
-                          max_num_batched_tokens=4096, num_kv_blocks=num_blocks, max_model_len=max_len + 1)
+    num_decode_rows = 2 * s.decode_batch  # measure_decode's largest batch fits too
+    decode_len = s.max_prompt_tokens + s.decode_steps + num_prefill_steps(num_decode_rows, s) + 2
+    num_blocks = max(num_blocks, num_decode_rows * -(-decode_len // block_size))
+    config = EngineConfig(block_size=block_size, max_num_seqs=max(s.num_rows, num_decode_rows),
+                          max_num_batched_tokens=STEP_TOKENS, num_kv_blocks=num_blocks, max_model_len=max_len + 1)
     return LLMEngine(model, config=config)
 
 
@@ -146,23 +160,48 @@ def decode_flops_per_token(model: torch.nn.Module, context_len: float) -> float:
     return 2 * layer_params + 2 * cfg.hidden_size * cfg.vocab_size + attention
 
 
-def measure_decode(engine: LLMEngine, s: BenchSettings) -> tuple[float, float, int]:
-    """Decode-only steps at batch ``decode_batch``: (seconds per step, mean context length, rows)."""
+def roofline_seconds(model: torch.nn.Module, w: Workload, s: BenchSettings, gflops: float, gbps: float) -> float:
+    """A lower bound on the mixed run on this machine, for any engine: every sample decodes from the
+    first step to its budget, and each decode step takes at least the larger of its FLOPs at the
+    matmul rate and the bytes it must read (every weight once, every row's K/V) at the memory
+    bandwidth; each group's prompt costs at least its FLOPs once."""
+    cfg = model.config
+    layer_params = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
+    itemsize = next(iter(model.parameters())).element_size()
+    weight_bytes = (layer_params + cfg.hidden_size * cfg.vocab_size) * itemsize
+    kv_bytes_per_key = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    attention_flops_per_key = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+    matmul_flops = 2 * layer_params + 2 * cfg.hidden_size * cfg.vocab_size  # per decoded token
+    prompts = [len(prompt) for prompt in w.prompts for _ in range(s.num_samples)]
+    seconds = sum(map(len, w.prompts)) * 2 * layer_params / (gflops * 1e9)
+    for step in range(1, max(w.budgets) + 1):
+        contexts = [n + step for n, budget in zip(prompts, w.budgets) if budget >= step]
+        flops = len(contexts) * matmul_flops + attention_flops_per_key * sum(contexts)
+        num_bytes = weight_bytes + kv_bytes_per_key * sum(contexts)
+        seconds += max(flops / (gflops * 1e9), num_bytes / (gbps * 1e9))
+    return seconds
+
+
+def measure_decode(engine: LLMEngine, s: BenchSettings, num_rows: int) -> tuple[float, float, int]:
+    """Decode-only steps at batch ``num_rows``: (seconds per step, mean context length, rows)."""
     rng = random.Random(s.seed + 1)
-    params = SamplingParams(max_new_tokens=s.decode_steps + 2)
-    for _ in range(s.decode_batch):
+    params = SamplingParams(max_new_tokens=s.decode_steps + num_prefill_steps(num_rows, s) + 2)
+    for _ in range(num_rows):
         engine.add_request([rng.randrange(3, s.vocab_size) for _ in range(s.max_prompt_tokens)], params)
-    engine.step()  # the prefill (and first token) of every row
+    # The prefill (chunked under the step's token budget) until every row has its first token.
+    while engine.scheduler.waiting or any(seq.num_output_tokens == 0 for seq in engine.scheduler.running):
+        engine.step()
+    assert len(engine.scheduler.running) == num_rows
     times_s, contexts = [], []
     for _ in range(s.decode_steps):
-        contexts.append(sum(seq.num_tokens for seq in engine.scheduler.running) / s.decode_batch)
+        contexts.append(sum(seq.num_tokens for seq in engine.scheduler.running) / num_rows)
         start = time.perf_counter()
         engine.step()
         times_s.append(time.perf_counter() - start)
     while engine.has_unfinished():
         engine.step()
     best = sorted(times_s)[: max(1, len(times_s) // 2)]  # the faster half: steps hit by other load drop out
-    return sum(best) / len(best), sum(contexts) / len(contexts), s.decode_batch
+    return sum(best) / len(best), sum(contexts) / len(contexts), num_rows
 
 
 # ----------------------------------------------------------------------------------------- transformers
@@ -257,7 +296,8 @@ class Printer:
             self.append(text)
 
 
-def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: Workload) -> None:
+def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: Workload, gflops: float,
+            gbps: float) -> None:
     out = Printer()
     engine = tether_engine(tether, s)
     run_tether(engine, w.with_budget(s.min_budget), s)  # warm-up: allocator, thread pool
@@ -268,10 +308,13 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     g_s, g_tokens = best_time(lambda: run_hf_generate(hf, w, s), s.repeats)
     out.append(line("transformers generate (mixed budgets)", g_s, g_tokens))
     out.append(f"ratio tether / generate (mixed budgets): {(t_tokens / t_s) / (g_tokens / g_s):.2f}")
+    paged_rate = None
     if s.skip_hf_paged:
         out.append("transformers continuous batching: skipped (--skip-hf-paged)")
     else:
-        out.extend(compare_hf_paged(s, hf, w, t_tokens / t_s))
+        lines, paged_rate = compare_hf_paged(s, hf, w, t_tokens / t_s)
+        out.extend(lines)
+    out.extend(roofline_report(tether, w, s, gflops, gbps, t_tokens / t_s, paged_rate))
     uniform = w.with_budget(s.max_budget)
     u_s, u_tokens = best_time(lambda: run_tether(engine, uniform, s), s.repeats)
     out.append(line("tether LLMEngine (uniform budgets)", u_s, u_tokens))
@@ -280,7 +323,9 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     out.append(f"ratio tether / generate (uniform budgets): {(u_tokens / u_s) / (h_tokens / h_s):.2f}")
 
 
-def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload, tether_rate: float) -> list[str]:
+def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload,
+                     tether_rate: float) -> tuple[list[str], float | None]:
+    """(result lines, transformers' continuous-batching tokens/s or None when it cannot run)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -290,14 +335,30 @@ def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload, tether_
     except Exception as error:  # report why it cannot run here, and go on with the rest
         message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
         return [f"transformers continuous batching: cannot run: {message}",
-                "ratio tether / generate_batch: n/a"]
+                "ratio tether / generate_batch: n/a"], None
     return [line("transformers continuous batching (paged|sdpa)", p_s, p_tokens),
-            f"ratio tether / generate_batch: {tether_rate / (p_tokens / p_s):.2f}"]
+            f"ratio tether / generate_batch: {tether_rate / (p_tokens / p_s):.2f}"], p_tokens / p_s
 
 
-def decode_flops_report(s: BenchSettings, tether: torch.nn.Module, matmul_gflops: float) -> list[str]:
+def roofline_report(tether: torch.nn.Module, w: Workload, s: BenchSettings, gflops: float, gbps: float,
+                    tether_rate: float, paged_rate: float | None) -> list[str]:
+    """The mixed run's roofline on this machine (``roofline_seconds``) at the measured matmul rate and
+    read bandwidth, and the shares of it that tether reaches and that 10x transformers' continuous
+    batching would need."""
+    best_rate = w.num_useful_tokens / roofline_seconds(tether, w, s, gflops, gbps)
+    lines = [f"roofline (mixed budgets): at most {best_rate:.1f} tokens/s on this machine (every step at "
+             f"least its FLOPs at {gflops:.1f} GFLOP/s or its weight and K/V bytes at {gbps:.1f} GB/s); "
+             f"tether reaches {tether_rate / best_rate:.2f} of it"]
+    if paged_rate is not None:
+        lines.append(f"10x generate_batch would need {10 * paged_rate:.1f} tokens/s = "
+                     f"{10 * paged_rate / best_rate:.2f} of the roofline")
+    return lines
+
+
+def decode_flops_report(s: BenchSettings, tether: torch.nn.Module, matmul_gflops: float,
+                        num_rows: int) -> list[str]:
     engine = tether_engine(tether, s)
-    step_s, context_len, rows = measure_decode(engine, s)
+    step_s, context_len, rows = measure_decode(engine, s, num_rows)
     flops = decode_flops_per_token(tether, context_len)
     gflops = flops * rows / step_s / 1e9
     return [f"decode at batch {rows}, mean context {context_len:.0f}: {step_s * 1e3:.1f} ms/step, "
@@ -329,11 +390,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     set_threads(s.threads)
     torch.manual_seed(s.seed)
     machine = machine_info()
+    read_gbps = measure_read_gbps()
     w = make_workload(s)
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         tether, hf = build_models(s, Path(tmp) / "ckpt")
         num_params = sum(p.numel() for p in tether.parameters())
-        print(f"machine: {machine.describe()}", flush=True)
+        print(f"machine: {machine.describe()}, memory read {read_gbps:.1f} GB/s", flush=True)
         print(f"date: {machine.date_utc}; load average (1 min) at start: {machine.load_average:.2f}",
               flush=True)
         print(f"model: qwen2 {num_params / 1e6:.1f}M parameters, hidden {s.hidden_size} x {s.num_layers} "
@@ -342,8 +404,10 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"prompts {s.min_prompt_tokens}-{s.max_prompt_tokens} tokens, budgets {s.min_budget}-"
               f"{s.max_budget} ({w.num_useful_tokens} useful tokens); best of {s.repeats}", flush=True)
         with torch.inference_mode():
-            compare(s, tether, hf, w)
-            Printer().extend(decode_flops_report(s, tether, machine.matmul_gflops))
+            compare(s, tether, hf, w, machine.matmul_gflops, read_gbps)
+            # The bench's batch and twice it (a GRPO step of 16 prompts x 16 samples decodes 256 rows).
+            for num_rows in (s.decode_batch, 2 * s.decode_batch):
+                Printer().extend(decode_flops_report(s, tether, machine.matmul_gflops, num_rows))
     print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}", flush=True)
 
 

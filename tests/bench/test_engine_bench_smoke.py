@@ -36,4 +36,17 @@ def test_engine_bench_prints_rates_and_ratios() -> None:
                       r"ratio (\d+\.\d+)", out)
     assert flops is not None, out
     assert float(flops.group(2)) > 0
+    assert len(re.findall(r"^decode at batch \d+", out, re.MULTILINE)) == 2  # the bench's batch and twice it
+    # The roofline is a bound no engine beats, and the 10x line is ten transformers' rate over it.
+    roof = re.search(r"^roofline \(mixed budgets\): at most (\d+\.\d+) tokens/s .*; tether reaches "
+                     r"(\d+\.\d+) of it$", out, re.MULTILINE)
+    assert roof is not None, out
+    assert tether_rate < float(roof.group(1))
+    assert abs(float(roof.group(2)) - tether_rate / float(roof.group(1))) <= 0.01
+    paged = rates.get("transformers continuous batching (paged|sdpa)")
+    if paged is not None:
+        need = re.search(r"^10x generate_batch would need (\d+\.\d+) tokens/s = (\d+\.\d+) of the roofline$",
+                         out, re.MULTILINE)
+        assert need is not None, out
+        assert abs(float(need.group(1)) - 10 * paged[1]) <= 0.01 * 10 * paged[1] + 0.1
     assert "with 1 threads" in out

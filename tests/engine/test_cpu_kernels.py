@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from helpers.hf_tiny import make_hf_checkpoint
 from helpers.reference import assert_same_completions
-from tether.engine import EngineConfig, LLMEngine, SamplingParams
-from tether.engine.cpu_kernels import PackedLinear, is_onednn_linear_available
+from tether.engine import EngineConfig, LLMEngine, SamplingParams, cpu_kernels
+from tether.engine.cpu_kernels import PackedLinear, is_onednn_linear_available, is_worth_packing
 from tether.models import load_model
 
 pytestmark = pytest.mark.skipif(
@@ -47,8 +47,14 @@ def test_inference_tensors_are_not_packed():
     assert not is_onednn_linear_available(weight)  # no version counter to follow changes by
 
 
+def test_only_large_weights_are_worth_packing():
+    assert not is_worth_packing(torch.zeros(100, 96))  # the demo's head: oneDNN's call overhead loses
+    assert is_worth_packing(torch.zeros(32000, 384))
+
+
 @pytest.mark.parametrize("tie", [False, True])
-def test_engine_with_packed_head_matches_the_plain_head(tmp_path, tie):
+def test_engine_with_packed_head_matches_the_plain_head(tmp_path, tie, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "MIN_PACKED_BYTES", 0)  # pack the tiny test head too
     path = make_hf_checkpoint(tmp_path / "ckpt", "qwen2", seed=5, tie=tie)
     prompts = [[5, 6, 7, 8, 9], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7, n=3)

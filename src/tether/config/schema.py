@@ -161,8 +161,8 @@ class EngineSection(Section):
     recompute_kv_on_update: bool = Field(False, description="On a weight update, recompute the KV of "
                                          "sequences in flight instead of keeping it.")
     cpu_pack_lm_head: bool = Field(True, description="CPU, fp32: compute logits through a "
-                                   "oneDNN-reordered copy of the vocabulary projection (faster; costs "
-                                   "the projection's size in memory once more).")
+                                   "oneDNN-reordered copy of the vocabulary projection when it is at "
+                                   "least 8 MB (faster; costs its size in memory once more).")
 
 
 class TrainerSection(Section):

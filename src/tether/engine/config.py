@@ -28,8 +28,8 @@ class EngineConfig:
     recompute_kv_on_update: bool = False
     stop_token_ids: tuple[int, ...] = ()  # added to every request's stop ids (e.g. the tokenizer's EOS)
     seed: int = 0  # seeds requests that bring no seed of their own
-    # CPU, fp32: compute logits through a oneDNN-reordered copy of the vocabulary projection
-    # (``tether.engine.cpu_kernels``): 1.2-2.3x faster logits, at the projection's size in memory.
+    # CPU, fp32: compute logits through a oneDNN-reordered copy of the vocabulary projection when it
+    # is at least 8 MB (``tether.engine.cpu_kernels``): 1.2-2.3x faster logits, at its size in memory.
     cpu_pack_lm_head: bool = True
     # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged):
     # "ngram" proposes by prompt lookup, "draft" by a small model passed as LLMEngine(draft_model=...).

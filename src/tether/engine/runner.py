@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
-from tether.engine.cpu_kernels import PackedLinear, is_onednn_linear_available
+from tether.engine.cpu_kernels import PackedLinear, is_worth_packing
 from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
@@ -85,9 +85,9 @@ class ModelRunner:
         self.decode_kv = DecodeKV(self.cache, max_tokens=num_blocks * block_size)
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
             use_transposed_weight_layout(model)
-        # CPU fp32: logits through a oneDNN-reordered copy of the vocabulary projection (cpu_kernels).
+        # CPU fp32: logits through a oneDNN-reordered copy of a large vocabulary projection (cpu_kernels).
         head = model.lm_head
-        is_packable = head.bias is None and is_onednn_linear_available(head.weight)
+        is_packable = head.bias is None and is_worth_packing(head.weight)
         self.packed_lm_head = PackedLinear(head.weight) if is_lm_head_packed and is_packable else None
 
     @torch.inference_mode()
