@@ -81,22 +81,6 @@ def measure_matmul_gflops(size: int = MATMUL_SIZE, min_time_s: float = 0.5) -> f
     return flops / best_s / 1e9
 
 
-def measure_read_gbps(num_bytes: int = 256 << 20, min_time_s: float = 0.3) -> float:
-    """Best GB/s of summing an fp32 tensor of ``num_bytes`` (far larger than any cache): the memory
-    bandwidth the run's threads get, the other roof of a memory-bound step."""
-    data = torch.ones(num_bytes // 4)
-    data.sum()  # warm-up: page faults, thread pool
-    best_s = float("inf")
-    deadline = time.perf_counter() + min_time_s
-    num_runs = 0
-    while num_runs < 3 or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        data.sum()
-        best_s = min(best_s, time.perf_counter() - start)
-        num_runs += 1
-    return num_bytes / best_s / 1e9
-
-
 def machine_info(min_time_s: float = 0.5) -> MachineInfo:
     return MachineInfo(
         cpu_model=cpu_model(), num_cpus=os.cpu_count() or 1, num_threads=torch.get_num_threads(),

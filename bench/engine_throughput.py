@@ -17,9 +17,9 @@ Systems, each timed ``repeats`` times (best kept: other processes only ever slow
 * transformers continuous batching (``attn_implementation="paged|sdpa"``, the machinery behind
   ``generate_batch``), driven through its manager so each request carries its own ``max_new_tokens``.
 
-After the mixed comparison, the workload's roofline on this machine (``roofline_seconds``: the
-fastest any engine can run it at the measured matmul rate and read bandwidth) and the shares of it
-that tether reaches and that 10x ``generate_batch`` would need. Then the same with uniform budgets
+After the mixed comparison, the workload's compute roofline (``workload_flops`` at the measured
+matmul rate: no engine that multiplies at that rate runs it faster) and the shares of it that
+tether reaches and that 10x ``generate_batch`` would need. Then the same with uniform budgets
 (every sample 256 tokens), tether vs ``generate``, and tether's decode throughput in FLOP/s against
 the machine's fp32 matmul rate (``decode_flops_per_token``) at the bench's batch and twice it.
 """
@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from common import machine_info, measure_read_gbps, set_threads  # noqa: E402
+from common import machine_info, set_threads  # noqa: E402
 from helpers.hf_tiny import make_hf_model  # noqa: E402
 from tether.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from tether.models.checkpoint import load_model  # noqa: E402
@@ -160,26 +160,24 @@ def decode_flops_per_token(model: torch.nn.Module, context_len: float) -> float:
     return 2 * layer_params + 2 * cfg.hidden_size * cfg.vocab_size + attention
 
 
-def roofline_seconds(model: torch.nn.Module, w: Workload, s: BenchSettings, gflops: float, gbps: float) -> float:
-    """A lower bound on the mixed run on this machine, for any engine: every sample decodes from the
-    first step to its budget, and each decode step takes at least the larger of its FLOPs at the
-    matmul rate and the bytes it must read (every weight once, every row's K/V) at the memory
-    bandwidth; each group's prompt costs at least its FLOPs once."""
+def workload_flops(model: torch.nn.Module, w: Workload, s: BenchSettings) -> float:
+    """FLOPs the workload needs whatever the engine and its schedule: each group's prompt once
+    (a decoder pass per prompt token and one vocabulary projection for the group's first tokens;
+    its attention left out), then every later token of every sample, a full decoder pass plus the
+    vocabulary projection plus attention over its context. The token after j generated ones sits at
+    position p + j - 1 and attends to p + j keys."""
     cfg = model.config
     layer_params = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
-    itemsize = next(iter(model.parameters())).element_size()
-    weight_bytes = (layer_params + cfg.hidden_size * cfg.vocab_size) * itemsize
-    kv_bytes_per_key = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    head_flops = 2 * cfg.hidden_size * cfg.vocab_size
     attention_flops_per_key = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
-    matmul_flops = 2 * layer_params + 2 * cfg.hidden_size * cfg.vocab_size  # per decoded token
-    prompts = [len(prompt) for prompt in w.prompts for _ in range(s.num_samples)]
-    seconds = sum(map(len, w.prompts)) * 2 * layer_params / (gflops * 1e9)
-    for step in range(1, max(w.budgets) + 1):
-        contexts = [n + step for n, budget in zip(prompts, w.budgets) if budget >= step]
-        flops = len(contexts) * matmul_flops + attention_flops_per_key * sum(contexts)
-        num_bytes = weight_bytes + kv_bytes_per_key * sum(contexts)
-        seconds += max(flops / (gflops * 1e9), num_bytes / (gbps * 1e9))
-    return seconds
+    flops = 0.0
+    for index, prompt in enumerate(w.prompts):
+        num_prompt = len(prompt)
+        flops += num_prompt * 2 * layer_params + head_flops
+        for budget in w.budgets[index * s.num_samples : (index + 1) * s.num_samples]:
+            num_keys = (budget - 1) * num_prompt + (budget - 1) * budget // 2  # sum of p + j, j = 1..b-1
+            flops += (budget - 1) * (2 * layer_params + head_flops) + attention_flops_per_key * num_keys
+    return flops
 
 
 def measure_decode(engine: LLMEngine, s: BenchSettings, num_rows: int) -> tuple[float, float, int]:
@@ -296,8 +294,8 @@ class Printer:
             self.append(text)
 
 
-def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: Workload, gflops: float,
-            gbps: float) -> None:
+def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: Workload,
+            gflops: float) -> None:
     out = Printer()
     engine = tether_engine(tether, s)
     run_tether(engine, w.with_budget(s.min_budget), s)  # warm-up: allocator, thread pool
@@ -314,7 +312,7 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     else:
         lines, paged_rate = compare_hf_paged(s, hf, w, t_tokens / t_s)
         out.extend(lines)
-    out.extend(roofline_report(tether, w, s, gflops, gbps, t_tokens / t_s, paged_rate))
+    out.extend(roofline_report(tether, w, s, gflops, t_tokens / t_s, paged_rate))
     uniform = w.with_budget(s.max_budget)
     u_s, u_tokens = best_time(lambda: run_tether(engine, uniform, s), s.repeats)
     out.append(line("tether LLMEngine (uniform budgets)", u_s, u_tokens))
@@ -340,15 +338,16 @@ def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload,
             f"ratio tether / generate_batch: {tether_rate / (p_tokens / p_s):.2f}"], p_tokens / p_s
 
 
-def roofline_report(tether: torch.nn.Module, w: Workload, s: BenchSettings, gflops: float, gbps: float,
+def roofline_report(tether: torch.nn.Module, w: Workload, s: BenchSettings, gflops: float,
                     tether_rate: float, paged_rate: float | None) -> list[str]:
-    """The mixed run's roofline on this machine (``roofline_seconds``) at the measured matmul rate and
-    read bandwidth, and the shares of it that tether reaches and that 10x transformers' continuous
-    batching would need."""
-    best_rate = w.num_useful_tokens / roofline_seconds(tether, w, s, gflops, gbps)
-    lines = [f"roofline (mixed budgets): at most {best_rate:.1f} tokens/s on this machine (every step at "
-             f"least its FLOPs at {gflops:.1f} GFLOP/s or its weight and K/V bytes at {gbps:.1f} GB/s); "
-             f"tether reaches {tether_rate / best_rate:.2f} of it"]
+    """The mixed run's compute roofline: its FLOPs (``workload_flops``) at the fp32 matmul rate
+    measured at the start. A lower bound on its time for any engine that multiplies no faster than
+    that yardstick (memory traffic only adds to it), and the shares of the resulting rate that
+    tether reaches and that 10x transformers' continuous batching would need."""
+    flops = workload_flops(tether, w, s)
+    best_rate = w.num_useful_tokens / (flops / (gflops * 1e9))
+    lines = [f"roofline (mixed budgets): {flops / 1e9:.1f} GFLOP at {gflops:.1f} GFLOP/s allow at most "
+             f"{best_rate:.1f} tokens/s; tether reaches {tether_rate / best_rate:.2f} of it"]
     if paged_rate is not None:
         lines.append(f"10x generate_batch would need {10 * paged_rate:.1f} tokens/s = "
                      f"{10 * paged_rate / best_rate:.2f} of the roofline")
@@ -390,12 +389,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     set_threads(s.threads)
     torch.manual_seed(s.seed)
     machine = machine_info()
-    read_gbps = measure_read_gbps()
     w = make_workload(s)
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         tether, hf = build_models(s, Path(tmp) / "ckpt")
         num_params = sum(p.numel() for p in tether.parameters())
-        print(f"machine: {machine.describe()}, memory read {read_gbps:.1f} GB/s", flush=True)
+        print(f"machine: {machine.describe()}", flush=True)
         print(f"date: {machine.date_utc}; load average (1 min) at start: {machine.load_average:.2f}",
               flush=True)
         print(f"model: qwen2 {num_params / 1e6:.1f}M parameters, hidden {s.hidden_size} x {s.num_layers} "
@@ -404,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"prompts {s.min_prompt_tokens}-{s.max_prompt_tokens} tokens, budgets {s.min_budget}-"
               f"{s.max_budget} ({w.num_useful_tokens} useful tokens); best of {s.repeats}", flush=True)
         with torch.inference_mode():
-            compare(s, tether, hf, w, machine.matmul_gflops, read_gbps)
+            compare(s, tether, hf, w, machine.matmul_gflops)
             # The bench's batch and twice it (a GRPO step of 16 prompts x 16 samples decodes 256 rows).
             for num_rows in (s.decode_batch, 2 * s.decode_batch):
                 Printer().extend(decode_flops_report(s, tether, machine.matmul_gflops, num_rows))

@@ -38,11 +38,12 @@ def test_engine_bench_prints_rates_and_ratios() -> None:
     assert float(flops.group(2)) > 0
     assert len(re.findall(r"^decode at batch \d+", out, re.MULTILINE)) == 2  # the bench's batch and twice it
     # The roofline is a bound no engine beats, and the 10x line is ten transformers' rate over it.
-    roof = re.search(r"^roofline \(mixed budgets\): at most (\d+\.\d+) tokens/s .*; tether reaches "
-                     r"(\d+\.\d+) of it$", out, re.MULTILINE)
+    roof = re.search(r"^roofline \(mixed budgets\): (\d+\.\d+) GFLOP at (\d+\.\d+) GFLOP/s allow at most "
+                     r"(\d+\.\d+) tokens/s; tether reaches (\d+\.\d+) of it$", out, re.MULTILINE)
     assert roof is not None, out
-    assert tether_rate < float(roof.group(1))
-    assert abs(float(roof.group(2)) - tether_rate / float(roof.group(1))) <= 0.01
+    best_rate = float(roof.group(3))
+    assert tether_rate < best_rate
+    assert abs(float(roof.group(4)) - tether_rate / best_rate) <= 0.01
     paged = rates.get("transformers continuous batching (paged|sdpa)")
     if paged is not None:
         need = re.search(r"^10x generate_batch would need (\d+\.\d+) tokens/s = (\d+\.\d+) of the roofline$",
@@ -50,3 +51,25 @@ def test_engine_bench_prints_rates_and_ratios() -> None:
         assert need is not None, out
         assert abs(float(need.group(1)) - 10 * paged[1]) <= 0.01 * 10 * paged[1] + 0.1
     assert "with 1 threads" in out
+
+
+def test_workload_flops_by_hand() -> None:
+    """One group of two samples on a 1-layer model: the prompt once, then each sample's later tokens."""
+    sys.path.insert(0, str(BENCH.parent))
+    import engine_throughput as bench  # the bench is a script, not a package
+    from helpers.hf_tiny import make_hf_model
+    from tether.models import Decoder
+    from tether.models.config import ModelConfig
+
+    hf = make_hf_model("qwen2", seed=0, vocab_size=50, hidden_size=16, num_layers=1, num_heads=2,
+                       num_kv_heads=1, intermediate_size=32)
+    model = Decoder(ModelConfig.from_hf(hf.config.to_dict()))
+    settings = bench.BenchSettings(num_prompts=1, num_samples=2)
+    workload = bench.Workload(prompts=[[3, 4, 5]], budgets=[1, 3])
+    layer_params = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
+    token = 2 * layer_params + 2 * 16 * 50  # a decoder pass and the vocabulary projection
+    keys_flops = 4 * 1 * 2 * 8  # per key: q.k and the weighted value, 2 heads of 8
+    # prefill: 3 prompt tokens' passes + one projection; sample 1 is done; sample 2 decodes two more
+    # tokens, attending to 3 + 1 and 3 + 2 keys
+    expected = 3 * 2 * layer_params + 2 * 16 * 50 + 2 * token + keys_flops * (4 + 5)
+    assert bench.workload_flops(model, workload, settings) == expected

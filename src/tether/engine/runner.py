@@ -88,7 +88,7 @@ class ModelRunner:
         # CPU fp32: logits through a oneDNN-reordered copy of a large vocabulary projection (cpu_kernels).
         head = model.lm_head
         is_packable = head.bias is None and is_worth_packing(head.weight)
-        self.packed_lm_head = PackedLinear(head.weight) if is_lm_head_packed and is_packable else None
+        self.packed_lm_head = PackedLinear() if is_lm_head_packed and is_packable else None
 
     @torch.inference_mode()
     def run(self, step: StepInput, block_copies: list[tuple[int, int]]) -> torch.Tensor:
@@ -114,7 +114,7 @@ class ModelRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, H]`` -> logits ``[N, V]`` in the model's dtype."""
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden)
+            return self.packed_lm_head(hidden, self.model.lm_head.weight)
         return self.model.compute_logits(hidden)
 
     @torch.no_grad()
@@ -133,6 +133,8 @@ class ModelRunner:
                 )
             param.copy_(tensor)
             num_loaded += 1
+        if self.packed_lm_head is not None:
+            self.packed_lm_head.invalidate()
         return num_loaded
 
 
