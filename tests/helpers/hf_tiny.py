@@ -144,3 +144,10 @@ def make_hf_checkpoint(
     if with_tokenizer:
         tokenizer.save_pretrained(directory)
     return directory
+
+
+def load_tiny_model(path: str | Path, family: str = "qwen2", **kwargs: Any) -> torch.nn.Module:
+    """``make_hf_checkpoint`` (no tokenizer) loaded as tether's ``Decoder`` in eval mode."""
+    from tether.models import load_model
+
+    return load_model(make_hf_checkpoint(path, family, with_tokenizer=False, **kwargs)).eval()

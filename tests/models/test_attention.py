@@ -3,23 +3,20 @@
 import pytest
 import torch
 
-from helpers.hf_tiny import make_hf_checkpoint
-from tether.models import CausalAttention, ContiguousKVCache, PackedAttention, load_model
+from helpers.hf_tiny import load_tiny_model
+from tether.models import CausalAttention, ContiguousKVCache, PackedAttention
 
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = make_hf_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", with_tokenizer=False, num_kv_heads=1)
-    return load_model(path).eval()
+    return load_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3", num_kv_heads=1)
 
 
 @pytest.fixture(scope="module")
 def windowed_model(tmp_path_factory):
-    path = make_hf_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", with_tokenizer=False,
-                              sliding_window=3)  # fmt: skip
-    return load_model(path).eval()
+    return load_tiny_model(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=3)
 
 
 def random_ids(*lengths: int, seed: int = 0) -> list[torch.Tensor]:

@@ -51,11 +51,12 @@ def _batch(model, group_size=4):
     return build_rollout_batch(prompts, completions, rewards, advantages, group_size)
 
 
-def _grads_after_step(model, batch, micro_batch_tokens, loss_agg):
+def _grads_after_step(model, batch, micro_batch_tokens, loss_agg, share_prompts=True):
     model = copy.deepcopy(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3)
     scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=10, schedule="constant")
-    settings = PolicyLossSettings(micro_batch_tokens=micro_batch_tokens, loss_agg=loss_agg, grad_clip=0.0)
+    settings = PolicyLossSettings(micro_batch_tokens=micro_batch_tokens, loss_agg=loss_agg, grad_clip=0.0,
+                                  share_prompts=share_prompts)
     trainer = PolicyTrainer(model, optimizer, scheduler, settings, SamplingView(1.0))
     metrics = trainer.train_on(batch)
     return {n: p.grad.clone() for n, p in model.named_parameters()}, metrics
@@ -70,6 +71,19 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(model_dir, loss_agg
     for name in full:
         assert torch.allclose(full[name], split[name], atol=1e-6), name
     assert full_metrics["loss/policy"] == pytest.approx(split_metrics["loss/policy"], abs=1e-6)
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [10_000, 20])
+def test_sharing_prompts_leaves_the_update_unchanged(model_dir, micro_batch_tokens):
+    """A group's prompt scored once (the default) gives the gradient of scoring it per sample."""
+    model = load_model(model_dir)
+    batch = _batch(model)
+    shared, shared_metrics = _grads_after_step(model, batch, micro_batch_tokens, "token_mean")
+    separate, separate_metrics = _grads_after_step(model, batch, micro_batch_tokens, "token_mean",
+                                                   share_prompts=False)
+    for name in shared:
+        torch.testing.assert_close(shared[name], separate[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert shared_metrics["mismatch/k3"] == pytest.approx(separate_metrics["mismatch/k3"], abs=1e-7)
 
 
 def test_aggregation_weights_reproduce_the_aggregation():

@@ -178,6 +178,9 @@ class TrainerSection(Section):
     batch_size: int = Field(32, ge=1, description="Sequences per optimizer step (SFT).")
     micro_batch_tokens: int = Field(4096, ge=1, description="Token budget of one forward/backward "
                                     "micro-batch; gradients accumulate across micro-batches.")
+    share_prompts: bool = Field(True, description="RL: rows with the same prompt (a GRPO group) share "
+                                "one forward over it in the trainer; exact, and n times less prompt "
+                                "compute for groups of n.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end).")
     num_threads: int = Field(0, ge=0, description="torch CPU threads (0: leave torch's default).")
 

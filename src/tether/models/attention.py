@@ -71,6 +71,12 @@ def _causal_mask(
     return (mask[None] & (key_is_real[:, None, :] | is_self[None]))[:, None]
 
 
+def sliding_window_args(config: ModelConfig) -> dict[str, int | tuple[int, ...] | None]:
+    """The checkpoint's sliding window as backend keyword arguments: every backend a model runs
+    with must apply it (``PackedAttention(lens, **sliding_window_args(model.config))``)."""
+    return {"sliding_window": config.sliding_window, "sliding_window_layers": config.sliding_window_layers}
+
+
 def _is_windowed(layer_idx: int, window: int | None, layers: tuple[int, ...] | None) -> bool:
     return window is not None and (layers is None or layer_idx in layers)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tether.models.attention import AttentionBackend, CausalAttention
+from tether.models.attention import AttentionBackend, CausalAttention, sliding_window_args
 from tether.models.config import ModelConfig
 from tether.models.rope import RotaryEmbedding, apply_rope
 
@@ -119,11 +119,7 @@ class Decoder(nn.Module):
 
     def default_attention(self, key_padding_mask: torch.Tensor | None = None) -> CausalAttention:
         """Full causal attention with the checkpoint's sliding window, if it has one."""
-        return CausalAttention(
-            key_padding_mask=key_padding_mask,
-            sliding_window=self.config.sliding_window,
-            sliding_window_layers=self.config.sliding_window_layers,
-        )
+        return CausalAttention(key_padding_mask=key_padding_mask, **sliding_window_args(self.config))
 
     def set_gradient_checkpointing(self, is_enabled: bool) -> None:
         """Recompute each layer in backward instead of storing its activations (training only)."""

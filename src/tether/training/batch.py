@@ -48,21 +48,32 @@ class RolloutBatch:
             advantages=self.advantages[index], group_size=self.group_size)
 
 
-def split_by_tokens(seq_lens: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive row indices whose total length fits ``max_tokens`` (a longer row goes alone).
+def split_by_tokens(prompt_ids: list[list[int]], completion_lens: list[int], max_tokens: int, *,
+                    share_prompts: bool = False) -> list[list[int]]:
+    """Consecutive row indices whose tokens fit ``max_tokens`` per micro-batch (a longer row goes alone).
 
-    >>> split_by_tokens([3, 3, 3, 5], 6)
-    [[0, 1], [2], [3]]
+    A row costs its prompt plus its completion; with ``share_prompts`` a row whose prompt already
+    appears in the micro-batch costs only its completion, as the trainer then scores that prompt once.
+
+    >>> split_by_tokens([[1], [1], [2], [3, 3]], [2, 2, 2, 3], 8)
+    [[0, 1], [2, 3]]
+    >>> split_by_tokens([[1], [1], [2], [3, 3]], [2, 2, 2, 3], 8, share_prompts=True)
+    [[0, 1, 2], [3]]
     """
     chunks: list[list[int]] = []
     current: list[int] = []
+    seen: set[tuple[int, ...]] = set()
     used = 0
-    for row, length in enumerate(seq_lens):
-        if current and used + length > max_tokens:
+    for row, (prompt, num_completion) in enumerate(zip(prompt_ids, completion_lens)):
+        key = tuple(prompt)
+        cost = num_completion + (0 if share_prompts and key in seen else len(prompt))
+        if current and used + cost > max_tokens:
             chunks.append(current)
-            current, used = [], 0
+            current, used, seen = [], 0, set()
+            cost = num_completion + len(prompt)
         current.append(row)
-        used += length
+        seen.add(key)
+        used += cost
     if current:
         chunks.append(current)
     return chunks

@@ -43,6 +43,7 @@ class PolicyLossSettings:
     proximal: str = "recompute"  # recompute | loglinear | bypass: see PROXIMAL_MODES
     micro_batch_tokens: int = 4096
     grad_clip: float = 1.0
+    share_prompts: bool = True  # a group's prompt goes through the model once per micro-batch (exact)
 
 
 def aggregation_weights(agg_fn, mask: torch.Tensor) -> torch.Tensor:
@@ -112,8 +113,8 @@ class PolicyTrainer:
         self.num_optimizer_steps = 0
 
     def _micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
-        lens = [len(p) + n for p, n in zip(batch.prompt_ids, batch.completion_lens)]
-        return split_by_tokens(lens, self.settings.micro_batch_tokens)
+        return split_by_tokens(batch.prompt_ids, batch.completion_lens, self.settings.micro_batch_tokens,
+                               share_prompts=self.settings.share_prompts)
 
     @torch.no_grad()
     def _score_all(self, model: torch.nn.Module, batch: RolloutBatch, chunks: list[list[int]]) -> torch.Tensor:
@@ -125,9 +126,11 @@ class PolicyTrainer:
 
     def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, rows: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        completions = [batch.completion_ids[r, : int(batch.mask[r].sum())].tolist() for r in rows]
+        lens = batch.mask[rows].sum(dim=1).tolist()  # one host sync, not one per row
+        completions = [ids[:n] for ids, n in zip(batch.completion_ids[rows].tolist(), lens)]
         return completion_logprobs(model, [batch.prompt_ids[r] for r in rows], completions, self.sampling,
-                                   num_cols=batch.mask.shape[1], with_entropy=model is self.model)
+                                   num_cols=batch.mask.shape[1], with_entropy=model is self.model,
+                                   share_prompts=self.settings.share_prompts)
 
     def train_on(self, batch: RolloutBatch, policy_version: int | None = None) -> dict[str, float]:
         """Train on one batch; returns the step's metrics (losses, KL, entropy, grad norm, mismatch).

@@ -2,6 +2,9 @@
 
 Sequences (prompt + completion) are packed back to back into one row and run through the decoder
 with ``PackedAttention`` so no attention crosses a sequence boundary and no compute goes to padding.
+When prompts repeat (the G samples of a GRPO group), each distinct prompt is packed once and its
+completions attend to it through ``SharedPrefixAttention``: the prompt's forward and backward run
+once per group instead of G times, with the same log-probs and gradients (summed over the group).
 Only the hidden states that predict completion tokens are projected through the LM head, because
 on small models the vocabulary projection dominates the cost.
 
@@ -12,11 +15,13 @@ quantity the engine reports, so trainer/engine ratios are unbiased with identica
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tether.algorithms.logprobs import entropy_from_logits, gather_token_logprobs
-from tether.models.attention import PackedAttention
+from tether.models.attention import PackedAttention, sliding_window_args
+from tether.models.prefix_attention import SharedPrefixAttention
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,17 +36,22 @@ class SamplingView:
 @dataclass(slots=True)
 class PackedSequences:
     input_ids: torch.Tensor  # LongTensor[1, N] all sequences back to back
-    positions: torch.Tensor  # LongTensor[1, N] restarting at 0 per sequence
-    seq_lens: list[int]  # [B]
+    positions: torch.Tensor  # LongTensor[1, N] each sequence's own positions
+    attention: PackedAttention | SharedPrefixAttention  # keeps attention inside each sequence
     predict_index: torch.Tensor  # LongTensor[M] positions whose output predicts a completion token
     targets: torch.Tensor  # LongTensor[M] the completion tokens, in (row, t) order
     row_index: torch.Tensor  # LongTensor[M] which row (0..B-1) each target belongs to
     col_index: torch.Tensor  # LongTensor[M] which completion position each target is
 
 
-def pack_sequences(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> PackedSequences:
+def _as_long(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+def pack_sequences(prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                   windows: dict[str, Any] | None = None) -> PackedSequences:
+    """Each (prompt, completion) as its own sequence, back to back (``PackedAttention``)."""
     ids: list[int] = []
-    positions: list[int] = []
     predict: list[int] = []
     rows: list[int] = []
     cols: list[int] = []
@@ -51,27 +61,67 @@ def pack_sequences(prompt_ids: list[list[int]], completion_ids: list[list[int]])
         # The last completion token is a target but never an input that predicts anything.
         seq = list(prompt) + list(completion[:-1]) if completion else list(prompt)
         ids.extend(seq)
-        positions.extend(range(len(seq)))
         first = offset + len(prompt) - 1  # the prompt's last token predicts completion[0]
         predict.extend(range(first, first + len(completion)))
         rows.extend([row] * len(completion))
         cols.extend(range(len(completion)))
         targets.extend(completion)
     seq_lens = [len(p) + max(len(c) - 1, 0) for p, c in zip(prompt_ids, completion_ids)]
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    return PackedSequences(as_long(ids).unsqueeze(0), as_long(positions).unsqueeze(0), seq_lens,
-                           as_long(predict), as_long(targets), as_long(rows), as_long(cols))
+    attention = PackedAttention(seq_lens, **(windows or {}))
+    return PackedSequences(_as_long(ids)[None], attention.positions(), attention, _as_long(predict),
+                           _as_long(targets), _as_long(rows), _as_long(cols))
+
+
+def shared_prompts(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """(distinct prompts in first-seen order, each row's index among them).
+
+    >>> shared_prompts([[1, 2], [1, 2], [3]])
+    ([[1, 2], [3]], [0, 0, 1])
+    """
+    index: dict[tuple[int, ...], int] = {}
+    row_prompt = [index.setdefault(tuple(p), len(index)) for p in prompt_ids]
+    return [list(p) for p in index], row_prompt
+
+
+def pack_shared_prompts(prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                        windows: dict[str, Any] | None = None) -> PackedSequences:
+    """Each distinct prompt once, then every completion (``SharedPrefixAttention``): a GRPO group's
+    prompt goes through the model once instead of once per sample."""
+    prompts, row_prompt = shared_prompts(prompt_ids)
+    suffix_lens = [max(len(c) - 1, 0) for c in completion_ids]
+    attention = SharedPrefixAttention([len(p) for p in prompts], suffix_lens, row_prompt, **(windows or {}))
+    prompt_starts, suffix_starts = attention.prefix_starts(), attention.suffix_starts()
+    ids = [t for p in prompts for t in p] + [t for c in completion_ids for t in c[:-1]]
+    predict: list[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
+    targets: list[int] = []
+    for row, completion in enumerate(completion_ids):
+        if not completion:
+            continue
+        g = row_prompt[row]
+        predict.append(prompt_starts[g] + len(prompts[g]) - 1)  # the prompt's last token
+        predict.extend(range(suffix_starts[row], suffix_starts[row] + len(completion) - 1))
+        rows.extend([row] * len(completion))
+        cols.extend(range(len(completion)))
+        targets.extend(completion)
+    return PackedSequences(_as_long(ids)[None], attention.positions(), attention, _as_long(predict),
+                           _as_long(targets), _as_long(rows), _as_long(cols))
 
 
 def completion_logprobs(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                         sampling: SamplingView, *, num_cols: int | None = None,
-                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        with_entropy: bool = False, share_prompts: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of each completion token: FloatTensor[B, T] right-padded with 0.
 
     Differentiable when called with grad enabled. ``num_cols`` fixes T (default: longest completion).
+    ``share_prompts``: rows with the same prompt (a GRPO group) share one pass over it; same result.
     """
-    packed = pack_sequences(prompt_ids, completion_ids)
-    hidden = model(packed.input_ids, packed.positions, PackedAttention(packed.seq_lens))  # [1, N, H]
+    is_shared = share_prompts and len(shared_prompts(prompt_ids)[0]) < len(prompt_ids)
+    pack = pack_shared_prompts if is_shared else pack_sequences
+    packed = pack(prompt_ids, completion_ids, sliding_window_args(model.config))
+    hidden = model(packed.input_ids, packed.positions, packed.attention)  # [1, N, H]
     logits = model.compute_logits(hidden[0, packed.predict_index])  # [M, V]
     token_logp = gather_token_logprobs(logits, packed.targets, sampling.temperature, sampling.top_k,
                                        sampling.top_p)  # [M] fp32

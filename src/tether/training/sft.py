@@ -15,13 +15,14 @@ import torch.nn.functional as F
 
 from tether.data.batching import PackedBatch, pack_by_token_budget, shift_targets
 from tether.data.tokenize import SFTExample
-from tether.models.attention import PackedAttention
+from tether.models.attention import PackedAttention, sliding_window_args
 from tether.training.optim import clip_and_norm
 
 
 def packed_nll(model: torch.nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, int]:
     """Summed next-token negative log-likelihood over the batch's targets, and their count."""
-    hidden = model(batch.input_ids, batch.positions, PackedAttention(batch.seq_lens))  # [1, T, H]
+    attention = PackedAttention(batch.seq_lens, **sliding_window_args(model.config))
+    hidden = model(batch.input_ids, batch.positions, attention)  # [1, T, H]
     targets, target_mask = shift_targets(batch)  # [1, T] each
     index = target_mask[0].nonzero().squeeze(-1)  # [M] positions that predict a target
     # Only target positions go through the LM head: on small models it is most of the cost.
