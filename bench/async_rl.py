@@ -4,10 +4,12 @@
 
 One SFT warm start of the demo's model on ``arith`` (``tether.demo``'s configs), then every variant
 starts GRPO from a copy of the same warm-started weights, with the same seed, prompts per step
-(16), group size (8), learning rate and number of RL steps, so every variant trains on the same
+(16), group size (16), learning rate and number of RL steps, so every variant trains on the same
 number of samples. Reported per variant: wall-clock of the whole GRPO run (process spawn and
-weight shipping included), speed-up over sync, mean reward over the last quarter of the steps,
-held-out greedy accuracy after RL, and the reward at step checkpoints (the curves side by side).
+weight shipping included; async variants generate in the trainer's process while the generator
+process starts, ``rollout.generate_during_boot``; ``*_noboot`` variants wait for it instead),
+speed-up over sync, mean reward over the last quarter of the steps, held-out greedy accuracy
+after RL, and the reward at step checkpoints (the curves side by side).
 
 Async variants run generator and trainer as two processes with one torch thread each; ``sync``
 runs one process with torch's default threads (every core), ``sync_1t`` with one thread. Speed-ups
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import json
 import statistics
 import sys
@@ -67,6 +70,8 @@ VARIANTS: dict[str, list[str]] = {
     "s4": [*ASYNC, "rollout.max_staleness=4"],
     "s2_cut": [*ASYNC, "rollout.max_staleness=2", "rollout.oversample=4"],
     "s4_cut": [*ASYNC, "rollout.max_staleness=4", "rollout.oversample=4"],
+    "s1_noboot": [*ASYNC, "rollout.max_staleness=1", "rollout.generate_during_boot=false"],
+    "s2_noboot": [*ASYNC, "rollout.max_staleness=2", "rollout.generate_during_boot=false"],
     "s4_ppo_behav": [*ASYNC, "rollout.max_staleness=4", "algorithm.policy_loss=ppo_clip",
                      "algorithm.proximal=bypass"],
     # Oversubscribed: the trainer takes both cores, the generator's one thread time-slices with it
@@ -120,6 +125,10 @@ def warm_start(sft_steps: int, seed: int, root: Path, cache: Path | None, task: 
     config = load_config(None, [*common, *sft, f"seed={seed}", f"trainer.max_steps={sft_steps}",
                                 "logging.progress=none"])
     model, tokenizer = build_model_and_tokenizer(config.model, None, seed)
+    # torch imports dynamo (~1 s) on the first optimizer built in a process. A cached warm start
+    # builds none, so without this the first variant's clock would pay it and the others not.
+    # (Here, not at the top: spawned generator processes re-import this module.)
+    importlib.import_module("torch._dynamo")
     name = f"sft-{sft_steps}-seed{seed}.pt" if task == "arith" else f"sft-{task}-{sft_steps}-seed{seed}.pt"
     weights = cache / name if cache else None
     if weights is not None and weights.exists():

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tether.data.records import PromptRecord
 from tether.engine.types import Completion
@@ -19,7 +20,7 @@ def group(uid: int, versions: list[list[int]], start_version: int = 0, rewards: 
 
 def test_lag_is_trainer_version_minus_oldest_token():
     g = group(0, [[3, 3, 4], [4, 5]])
-    assert g.sample_oldest_versions() == [3, 4]
+    assert g.oldest_versions == [3, 4]
     assert g.oldest_version == 3
     assert g.lags(6) == [3, 2]
     assert is_consumable(g, 6, max_staleness=3) and not is_consumable(g, 7, max_staleness=3)
@@ -27,7 +28,7 @@ def test_lag_is_trainer_version_minus_oldest_token():
 
 def test_empty_completion_counts_from_the_start_version():
     g = group(0, [[], [2]], start_version=1)
-    assert g.sample_oldest_versions() == [1, 2]
+    assert g.oldest_versions == [1, 2]
 
 
 def test_reward_variance():
@@ -70,3 +71,16 @@ def test_state_dict_round_trip():
 def test_negative_staleness_rejected():
     with pytest.raises(ValueError):
         RolloutBuffer(-1)
+
+
+def test_rollout_batch_pads_each_sample_into_its_row():
+    from tether.rollout.sync_loop import build_rollout_batch
+
+    completions = [Completion(0, 0, [1], [7, 8], [-0.5, -1.5], [2, 3]), Completion(0, 1, [1]),
+                   Completion(1, 0, [2, 3], [9, 4, 6], [-0.1, -0.2, -0.3], [3, 3, 3])]
+    batch = build_rollout_batch([[1], [2, 3]], completions, torch.zeros(3), torch.zeros(3), group_size=2)
+    assert batch.completion_ids.tolist() == [[7, 8, 0], [0, 0, 0], [9, 4, 6]]
+    assert batch.mask.tolist() == [[True, True, False], [False] * 3, [True] * 3]
+    assert torch.equal(batch.behaviour_logprobs, torch.tensor([[-0.5, -1.5, 0], [0, 0, 0], [-0.1, -0.2, -0.3]]))
+    assert batch.versions.tolist() == [[2, 3, 0], [0, 0, 0], [3, 3, 3]]
+    assert batch.prompt_ids == [[1], [1], [2, 3]]

@@ -102,3 +102,22 @@ def test_state_dict_saves_groups_in_flight_as_prompts_to_reissue(tiny_policy):
     assert list(fresh.reissue_queue) == in_flight and fresh.controller.num_started == 0
     groups = run_until_groups(fresh)
     assert [g.record for g in groups] == in_flight
+
+
+def test_a_drained_worker_finishes_its_groups_and_hands_over_the_whole_stream(tiny_policy):
+    worker = make_worker(tiny_policy, "rollout.max_staleness=1")
+    worker.step()
+    started = len(worker.in_flight)
+    worker.drain()
+    groups = run_until_groups(worker)
+    assert len(groups) == started and worker.is_idle  # nothing new started, nothing dropped
+    state = worker.state_dict()
+    fresh = make_worker(tiny_policy, "rollout.max_staleness=1")
+    fresh.load_state_dict(state)
+    assert fresh.counters == worker.counters and fresh.controller.num_started == started
+    # The fresh worker goes on with the next prompts of the same stream and the next uids.
+    expected = make_worker(tiny_policy, "rollout.max_staleness=1").prompts.take(started + 3)[started:]
+    fresh.load_weights(perturbed(fresh), version=1)  # capacity for one more batch
+    more = run_until_groups(fresh)
+    assert sorted(g.uid for g in more) == list(range(started, started + 3))
+    assert [g.record for g in sorted(more, key=lambda g: g.uid)] == expected

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import copy
+import functools
 import time
 
 import pytest
+import torch
 import yaml
-from rollout_helpers import REWARDS, TINY
+from rollout_helpers import REWARDS, TINY, tiny_config
 
+from tether.builders import build_prompt_data
+from tether.data.cursor import DataCursor
 from tether.metrics import read_metrics
 from tether.recipes import run_train
-from tether.recipes.grpo import run_grpo
+from tether.recipes.grpo import build_generator_worker, run_grpo
 from tether.rollout.generator_worker import GeneratorCounters
-from tether.rollout.local_backend import GeneratorCrashedError, ProcessTransport
+from tether.rollout.local_backend import GeneratorCrashedError, HandoverTransport, ProcessTransport
 from tether.rollout.weights import SharedWeights
+from tether.training.scoring import SamplingView, completion_logprobs
 
 
 def write_config(tmp_path, rewards: list[str]) -> str:
@@ -50,8 +55,6 @@ def test_async_train_from_the_cli_path_stays_within_staleness_and_survives_a_rai
 
 @pytest.mark.slow
 def test_weights_reach_the_generator_process_on_policy(tmp_path, tiny_policy):
-    from rollout_helpers import tiny_config
-
     model, tokenizer = tiny_policy
     config = tiny_config("rollout.mode=async", "rollout.max_staleness=0", "trainer.max_steps=4",
                          "rollout.weight_bucket_mb=0.01", "rollout.generator_threads=1",
@@ -110,3 +113,60 @@ def test_close_stops_a_generator_that_ran_ahead_without_killing_it(tiny_policy):
     time.sleep(1.0)  # never polled again: the queue's pipe fills up
     transport.close(timeout_s=10.0)
     assert transport._process.exitcode == 0  # exited by itself, not terminated (-15)
+
+
+@pytest.mark.slow
+def test_the_trainer_generates_until_the_process_is_ready_then_hands_the_stream_over(tiny_policy):
+    """On-policy (S = 0) across the switch: every group's tokens come from the weights of its
+    batch's version, their log-probs equal the trainer's under those weights (so the process got
+    the latest weights at the switch), and the prompt stream goes on without a gap or a repeat."""
+    model, tokenizer = tiny_policy
+    config = tiny_config("rollout.mode=async", "rollout.max_staleness=0", "rollout.max_new_tokens=4")
+    policy = copy.deepcopy(model)
+    remote = ProcessTransport(functools.partial(build_generator_worker, config, copy.deepcopy(model), tokenizer),
+                              SharedWeights(policy.named_parameters()), num_threads=1, wait_for_handover=True)
+    transport = HandoverTransport(build_generator_worker(config, policy, tokenizer), remote)
+    num_groups, version, seen, batch = config.rollout.prompts_per_step, 0, [], []
+    try:
+        deadline = time.monotonic() + 120
+        while sum(remote for _, remote in seen) < 2 * num_groups and time.monotonic() < deadline:
+            for group in transport.poll(0.2):
+                completions = group.completions
+                logp, _ = completion_logprobs(policy, [c.prompt_ids for c in completions],
+                                              [c.token_ids for c in completions], SamplingView())
+                for row, c in enumerate(completions):
+                    assert set(c.versions) == {version}, (c.versions, version)
+                    assert torch.allclose(logp[row, : c.num_tokens], torch.tensor(c.logprobs), atol=1e-4)
+                seen.append((group, transport.is_handed_over))
+                batch.append(group)
+            if len(batch) == num_groups:  # "train": new weights, the next version
+                with torch.no_grad():
+                    for p in policy.parameters():
+                        p.add_(0.01 * torch.randn_like(p))
+                version += 1
+                transport.publish_weights(policy.named_parameters(), version)
+                batch = []
+    finally:
+        transport.close()
+    from_process = [remote for _, remote in seen]
+    assert from_process[0] is False and from_process[-1] is True, "no handover happened"
+    assert from_process == sorted(from_process)  # one switch, never back
+    groups = sorted((g for g, _ in seen), key=lambda g: g.uid)
+    assert [g.uid for g in groups] == list(range(len(groups)))  # no gap, no repeat
+    data = build_prompt_data(config.data, config.seed)
+    assert [g.record for g in groups] == DataCursor(data.train, seed=config.seed).take(len(groups))
+    assert transport.counters.num_finished == len(groups)  # the counters carried over
+
+
+def _slow_worker():
+    time.sleep(60)
+
+
+@pytest.mark.slow
+def test_close_does_not_wait_for_a_process_still_starting(tiny_policy):
+    model, _ = tiny_policy
+    transport = ProcessTransport(_slow_worker, SharedWeights(model.named_parameters()), num_threads=1)
+    start = time.monotonic()
+    transport.close()
+    assert time.monotonic() - start < 30  # terminated, not waited out
+    assert not transport._process.is_alive()

@@ -139,6 +139,10 @@ class RolloutSection(Section):
                                    "signal) and generate replacements (DAPO's dynamic sampling).")
     generator_threads: int = Field(0, ge=0, description="torch CPU threads of the generator process in "
                                    "async mode (0: half of the cores).")
+    generate_during_boot: bool = Field(True, description="Async mode: while the generator process starts "
+                                       "(importing torch, building its engine: seconds), the trainer's "
+                                       "process generates, then hands the prompt stream and the current "
+                                       "weights over.")
     weight_bucket_mb: float = Field(32.0, gt=0, description="Size of one shared-memory bucket when "
                                     "shipping weights to the generator process (async mode).")
 

@@ -159,7 +159,8 @@ class PackedAttention:
 
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[1, T]``: 0..L_i-1 for each sequence in turn."""
-        return torch.cat([torch.arange(length, device=device) for length in self.seq_lens])[None]
+        return torch.tensor([t for length in self.seq_lens for t in range(length)], dtype=torch.long,
+                            device=device)[None]
 
     def _mask(self, chunk: int, is_windowed: bool, device: torch.device) -> torch.Tensor | None:
         """Block-diagonal causal mask ``[1, 1, Tc, Tc]`` of a chunk; None means plain causal."""

@@ -124,10 +124,10 @@ class SharedPrefixAttention:
 
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[1, N]``: 0..P-1 on each prefix, P..P+S-1 on each suffix."""
-        pieces = [torch.arange(n) for n in self.prefix_lens]
-        pieces += [torch.arange(self.prefix_lens[g], self.prefix_lens[g] + n)
-                   for g, n in zip(self.suffix_prefix, self.suffix_lens)]
-        return torch.cat(pieces).to(device)[None]
+        out = [t for n in self.prefix_lens for t in range(n)]  # one tensor at the end, not one per row
+        for g, n in zip(self.suffix_prefix, self.suffix_lens):
+            out.extend(range(self.prefix_lens[g], self.prefix_lens[g] + n))
+        return torch.tensor(out, dtype=torch.long, device=device)[None]
 
     def _make_lanes(self) -> list[_Lane]:
         lanes: list[_Lane] = []

@@ -3,7 +3,8 @@
 ``rollout.mode=sync`` runs ``rl_step`` (generate a batch, train, sync weights); with over-sampling
 or dynamic sampling it runs the asynchronous driver in-process with staleness 0, which gives the
 same on-policy guarantee. ``rollout.mode=async`` runs the generator in its own process
-(``tether.rollout.local_backend``) and the trainer here, within ``rollout.max_staleness``.
+(``tether.rollout.local_backend``) and the trainer here, within ``rollout.max_staleness``; while
+that process starts, this one generates (``rollout.generate_during_boot``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ from tether.progress import make_progress
 from tether.rollout.async_loop import AsyncRLComponents, async_rl_step
 from tether.rollout.buffer import RolloutBuffer
 from tether.rollout.generator_worker import GeneratorSettings, GeneratorWorker
-from tether.rollout.local_backend import GeneratorTransport, InProcessTransport, ProcessTransport
+from tether.rollout.local_backend import (
+    GeneratorTransport,
+    HandoverTransport,
+    InProcessTransport,
+    ProcessTransport,
+)
 from tether.rollout.sync_loop import LoopState, RLComponents, rl_step
 from tether.rollout.weights import SharedWeights
 from tether.training.optim import build_optimizer, build_scheduler
@@ -138,7 +144,11 @@ def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any)
     if r.mode == "async":
         weights = SharedWeights(model.named_parameters(), int(r.weight_bucket_mb * (1 << 20)))
         make_worker = functools.partial(build_generator_worker, config, copy.deepcopy(model), tokenizer)
-        transport = ProcessTransport(make_worker, weights, num_threads=thread_split(config)[1])
+        remote = ProcessTransport(make_worker, weights, num_threads=thread_split(config)[1],
+                                  wait_for_handover=r.generate_during_boot)
+        # Started first, so that it boots while the trainer's process builds its own worker.
+        transport = (HandoverTransport(build_generator_worker(config, model, tokenizer), remote)
+                     if r.generate_during_boot else remote)
     else:
         transport = InProcessTransport(build_generator_worker(config, model, tokenizer))
     return AsyncRLComponents(transport, build_trainer(config, model), RolloutBuffer(max_staleness(config)),

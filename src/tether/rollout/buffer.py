@@ -37,14 +37,14 @@ class GroupRollout:
     texts: list[str]  # [G] decoded completions, as the reward functions saw them
     scores: RewardResult  # rewards of the G samples (totals [G], components, errors)
     start_version: int  # generator policy version when the group was admitted
+    # [G] version of each sample's oldest token (the start version for an empty completion), and
+    # their minimum; fixed once the group is finished (the buffer reads them on every poll).
+    oldest_versions: list[int] = field(init=False)
+    oldest_version: int = field(init=False)
 
-    def sample_oldest_versions(self) -> list[int]:
-        """[G] version of each sample's oldest token (the start version for an empty completion)."""
-        return [oldest_token_version(c, self.start_version) for c in self.completions]
-
-    @property
-    def oldest_version(self) -> int:
-        return min(self.sample_oldest_versions())
+    def __post_init__(self) -> None:
+        self.oldest_versions = [oldest_token_version(c, self.start_version) for c in self.completions]
+        self.oldest_version = min(self.oldest_versions, default=self.start_version)
 
     @property
     def has_reward_variance(self) -> bool:
@@ -52,7 +52,7 @@ class GroupRollout:
         return len(set(self.scores.totals)) > 1
 
     def lags(self, trainer_version: int) -> list[int]:
-        return [trainer_version - v for v in self.sample_oldest_versions()]
+        return [trainer_version - v for v in self.oldest_versions]
 
 
 def is_consumable(group: GroupRollout, trainer_version: int, max_staleness: int) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -90,6 +90,7 @@ class GeneratorWorker:
         self.reissue_queue: deque[PromptRecord] = deque()
         self._pending_weights: tuple[list[tuple[str, torch.Tensor]], int] | None = None
         self._next_uid = 0
+        self.is_admitting = True  # False once ``drain`` is called: finish what is in flight, start nothing
 
     # ------------------------------------------------------------------ weights
 
@@ -126,7 +127,12 @@ class GeneratorWorker:
 
     @property
     def may_admit(self) -> bool:
-        return self._pending_weights is None and self.controller.may_start(self.version)
+        return self.is_admitting and self._pending_weights is None and self.controller.may_start(self.version)
+
+    def drain(self) -> None:
+        """Start no more groups; those in flight run to the end. Once ``is_idle``, ``state_dict`` holds
+        the whole prompt stream (nothing in flight to re-issue), e.g. to hand it to another worker."""
+        self.is_admitting = False
 
     def _admit(self) -> None:
         while self.may_admit:
@@ -190,7 +196,7 @@ class GeneratorWorker:
         in_flight = [g.record for g in sorted(self.in_flight.values(), key=lambda g: g.uid)]
         return {"prompts": self.prompts.state_dict(), "reissue": [*in_flight, *self.reissue_queue],
                 "num_started": self.controller.num_started - len(in_flight), "version": self.version,
-                "next_uid": self._next_uid}
+                "next_uid": self._next_uid, "counters": asdict(self.counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
@@ -198,3 +204,4 @@ class GeneratorWorker:
         self.controller.num_started = state["num_started"]
         self.version = state["version"]
         self._next_uid = state["next_uid"]
+        self.counters = GeneratorCounters(**state["counters"])

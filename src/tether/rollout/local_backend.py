@@ -7,12 +7,21 @@ Two backends with one interface (``GeneratorTransport``), both thin: every decis
 * ``ProcessTransport`` runs the worker in its own process (``torch.multiprocessing``, spawn) with
   its own CPU threads: finished groups and control messages travel through queues, weights
   through ``SharedWeights`` buckets. A Ray backend will implement the same four calls.
+* ``HandoverTransport`` bridges the generator process's start-up (seconds: a fresh interpreter
+  imports torch and transformers, then builds its engine): until the process reports ready, a
+  worker in the trainer's process generates, stepped between training steps like
+  ``InProcessTransport``; then that worker drains (finishes its groups in flight, starts none) and
+  its state (prompt cursor, re-issue queue, capacity count, counters) goes to the process together
+  with the current weights, so the prompt stream continues where it stopped: no prompt is skipped
+  or generated twice, and the staleness bound holds across the switch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -78,61 +87,125 @@ class InProcessTransport:
         pass
 
 
+def _handle(worker: GeneratorWorker, kind: str, payload: Any) -> None:
+    if kind == "reissue":
+        worker.reissue(payload)
+    elif kind == "handover":
+        worker.load_state_dict(payload)
+
+
+def _wait_for_handover(worker: GeneratorWorker, control: Any, stop: Any) -> bool:
+    """Generate nothing until a ``handover`` message brings the state to continue from; False if stopped."""
+    while not stop.is_set():
+        with contextlib.suppress(queue.Empty):
+            kind, payload = control.get(timeout=0.05)
+            _handle(worker, kind, payload)
+            if kind == "handover":
+                return True
+    return False
+
+
+def _generate(worker: GeneratorWorker, weights: SharedWeights, control: Any, results: Any, stop: Any) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(queue.Empty):
+            while True:
+                _handle(worker, *control.get_nowait())
+        if weights.has_unread:  # between engine steps, so no step ever mixes two weight sets
+            named_tensors, version = weights.read()
+            worker.load_weights(named_tensors, version)
+            weights.ack(version)
+        groups = worker.step()
+        if groups:
+            results.put(("groups", groups, worker.counters))
+        elif worker.is_idle:
+            time.sleep(0.001)  # waiting for weights or re-issued prompts
+
+
 def run_generator_process(make_worker: Callable[[], GeneratorWorker], weights: SharedWeights,
-                          control: Any, results: Any, stop: Any, num_threads: int) -> None:
-    """The generator process's main loop: control messages, then weights, then one engine step."""
+                          control: Any, results: Any, stop: Any, num_threads: int,
+                          wait_for_handover: bool = False) -> bool:
+    """The generator process's main loop: control messages, then weights, then one engine step.
+
+    Reports ``ready`` once its worker is built; ``wait_for_handover``: then generates nothing until
+    a ``handover`` message brings the state to continue from (``HandoverTransport``). Returns True
+    when stopped cleanly, False after reporting an error.
+    """
     if num_threads > 0:
         torch.set_num_threads(num_threads)
     try:
         worker = make_worker()
-        while not stop.is_set():
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    kind, payload = control.get_nowait()
-                    if kind == "reissue":
-                        worker.reissue(payload)
-            if weights.has_unread:  # between engine steps, so no step ever mixes two weight sets
-                named_tensors, version = weights.read()
-                worker.load_weights(named_tensors, version)
-                weights.ack(version)
-            groups = worker.step()
-            if groups:
-                results.put(("groups", groups, worker.counters))
-            elif worker.is_idle:
-                time.sleep(0.001)  # waiting for weights or re-issued prompts
-        # Stopped: groups still queued will never be read. Without this the exit waits for the
-        # queue's feeder thread to push them through a full pipe, and ``close`` ran into its 10 s
-        # timeout whenever the generator had run ahead (S >= 2 left ~10 s on every run's clock).
-        results.cancel_join_thread()
+        results.put(("ready", None, None))
+        if not wait_for_handover or _wait_for_handover(worker, control, stop):
+            _generate(worker, weights, control, results, stop)
     except Exception:  # reported to the trainer, which raises it; the process then exits
         results.put(("error", traceback.format_exc(), None))
+        return False
+    # Stopped: groups still queued will never be read. Without this the exit waits for the
+    # queue's feeder thread to push them through a full pipe, and ``close`` ran into its 10 s
+    # timeout whenever the generator had run ahead (S >= 2 left ~10 s on every run's clock).
+    results.cancel_join_thread()
+    return True
+
+
+def _generator_process_main(*args: Any) -> None:
+    """The process target. After a clean stop nothing is left to flush or release (no files; the
+    OS frees shared memory with the process), so it exits at once: the interpreter's teardown of
+    torch and transformers took ~0.6 s, all on the trainer's clock in ``close``. An error report
+    takes the normal exit, whose queue feeder delivers it."""
+    if run_generator_process(*args):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 class ProcessTransport:
     def __init__(self, make_worker: Callable[[], GeneratorWorker], weights: SharedWeights,
-                 num_threads: int = 0) -> None:
+                 num_threads: int = 0, wait_for_handover: bool = False) -> None:
         """``make_worker`` must be picklable (a module-level function or a ``functools.partial`` of one):
-        it runs in the new process and builds the engine there."""
+        it runs in the new process and builds the engine there. ``wait_for_handover``: the process
+        reports ready (``is_ready``) and idles until ``hand_over``."""
         ctx = mp.get_context("spawn")
         self.weights = weights
         self.counters = GeneratorCounters()
         self._control = ctx.Queue()
         self._results = ctx.Queue()
         self._stop = ctx.Event()
-        self._process = ctx.Process(target=run_generator_process, name="tether-generator", daemon=True,
+        self._is_ready = False  # the process reported its worker built
+        self._process = ctx.Process(target=_generator_process_main, name="tether-generator", daemon=True,
                                     args=(make_worker, weights, self._control, self._results, self._stop,
-                                          num_threads))
+                                          num_threads, wait_for_handover))
         self._process.start()
+
+    def is_ready(self) -> bool:
+        """Whether the process has built its worker (never blocks; raises if it failed or died).
+
+        Reads one message when not ready yet: call it only before any group can have been sent
+        (waiting for a handover) or when the rest no longer matters (``close``)."""
+        if not self._is_ready:
+            with contextlib.suppress(queue.Empty):
+                self._unpack(self._results.get_nowait())  # "ready" sets the flag; "error" raises
+            if not self._is_ready and not self._process.is_alive():
+                raise GeneratorCrashedError(f"the generator process exited with code {self._process.exitcode}")
+        return self._is_ready
+
+    def hand_over(self, state: dict[str, Any], named_tensors: Iterable[tuple[str, torch.Tensor]],
+                  version: int) -> None:
+        """Start the waiting process from a drained worker's ``state_dict`` and the weights of ``version``."""
+        self.publish_weights(named_tensors, version)  # read before its first step, after the state
+        self._control.put(("handover", state))
+        self.counters = GeneratorCounters(**state["counters"])
 
     def poll(self, timeout_s: float = 1.0) -> list[GroupRollout]:
         groups: list[GroupRollout] = []
-        try:
-            message = self._results.get(timeout=timeout_s)
-            while True:
-                groups.extend(self._unpack(message))
-                message = self._results.get_nowait()
-        except queue.Empty:
-            pass
+        deadline = time.monotonic() + timeout_s
+        while not groups:  # a "ready" message carries no group: wait on
+            try:
+                groups.extend(self._unpack(self._results.get(timeout=max(0.0, deadline - time.monotonic()))))
+            except queue.Empty:
+                break
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    groups.extend(self._unpack(self._results.get_nowait()))
         if not groups and not self._process.is_alive():
             raise GeneratorCrashedError(f"the generator process exited with code {self._process.exitcode}")
         return groups
@@ -141,6 +214,9 @@ class ProcessTransport:
         kind, payload, counters = message
         if kind == "error":
             raise GeneratorCrashedError(f"the generator process failed:\n{payload}")
+        self._is_ready = True  # "ready" comes first; groups only after it
+        if kind == "ready":
+            return []
         assert counters is not None
         self.counters = counters
         return payload
@@ -152,11 +228,71 @@ class ProcessTransport:
         self._control.put(("reissue", records))
 
     def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the process: it finishes its engine step and exits; one still starting up (importing,
+        building its engine) holds nothing yet and is terminated rather than waited for."""
         self._stop.set()
-        self._process.join(timeout_s)
+        with contextlib.suppress(queue.Empty, GeneratorCrashedError, OSError, ValueError):
+            self.is_ready()
+        if self._is_ready:
+            self._process.join(timeout_s)
         if self._process.is_alive():
             self._process.terminate()  # our own child, by handle
             self._process.join(timeout_s)
         for q in (self._control, self._results):
             q.cancel_join_thread()
             q.close()
+
+
+class HandoverTransport:
+    """Generates in the trainer's process until the generator process is ready, then hands over.
+
+    ``local`` is a worker built from the same config as the process's; the process must have been
+    started with ``wait_for_handover=True``. Weights published before the switch go to ``local``;
+    at the switch the latest ones (the trainer's live parameters, unchanged since they were
+    published) go to the process with the drained worker's state.
+    """
+
+    def __init__(self, local: GeneratorWorker, remote: ProcessTransport) -> None:
+        self.remote = remote
+        self._local: InProcessTransport | None = InProcessTransport(local)
+        self._latest: tuple[list[tuple[str, torch.Tensor]], int] | None = None
+
+    @property
+    def counters(self) -> GeneratorCounters:
+        return self._local.worker.counters if self._local is not None else self.remote.counters
+
+    @property
+    def is_handed_over(self) -> bool:
+        return self._local is None
+
+    def poll(self, timeout_s: float = 1.0) -> list[GroupRollout]:
+        local = self._local
+        if local is None:
+            return self.remote.poll(timeout_s)
+        if local.worker.is_admitting and self.remote.is_ready():
+            local.worker.drain()
+        if not local.worker.is_admitting and local.worker.is_idle:
+            self._hand_over(local.worker)
+            return self.remote.poll(timeout_s)
+        return local.poll(timeout_s)
+
+    def _hand_over(self, worker: GeneratorWorker) -> None:
+        named_tensors, version = self._latest if self._latest is not None else (
+            list(worker.engine.model.named_parameters()), worker.version)
+        self.remote.hand_over(worker.state_dict(), named_tensors, version)
+        self._local = None  # frees its engine and KV pool
+
+    def publish_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self._local is None:
+            self.remote.publish_weights(named_tensors, version)
+            return
+        named_tensors = list(named_tensors)
+        self._local.publish_weights(named_tensors, version)
+        self._latest = (named_tensors, version)
+
+    def reissue(self, records: list[PromptRecord]) -> None:
+        (self._local or self.remote).reissue(records)
+
+    def close(self) -> None:
+        self._local = None
+        self.remote.close()
