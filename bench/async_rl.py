@@ -1,6 +1,7 @@
 """Asynchronous vs synchronous GRPO on the demo task: wall-clock to the same trained samples, reward reached.
 
-    python bench/async_rl.py [--sft-steps 600] [--rl-steps 40] [--variants sync,s1,...] [--out results.json]
+    python bench/async_rl.py [--sft-steps 600] [--rl-steps 40] [--variants sync,s1,...] [--repeats N]
+                             [--out results.json]
 
 One SFT warm start of the demo's model on ``arith`` (``tether.demo``'s configs), then every variant
 starts GRPO from a copy of the same warm-started weights, with the same seed, prompts per step
@@ -13,7 +14,9 @@ after RL, and the reward at step checkpoints (the curves side by side).
 
 Async variants run generator and trainer as two processes with one torch thread each; ``sync``
 runs one process with torch's default threads (every core), ``sync_1t`` with one thread. Speed-ups
-are against the faster of the two sync variants run.
+are against the faster of the two sync variants of the same repeat; ``--repeats N`` runs every
+variant N times, round-robin, with RL seeds seed, seed + 1, ... (one warm start), and reports the
+median speed-up, the median wall-clock and the reward averaged over the seeds.
 
 ``--task copy`` runs the same comparison on a generation-heavier workload (copy strings of 10-30
 characters, ~20-token completions, a 2-layer 128-wide model; use ``--sft-steps 1500``).
@@ -84,6 +87,7 @@ VARIANTS: dict[str, list[str]] = {
 @dataclass(slots=True)
 class VariantResult:
     name: str
+    seed: int  # the RL run's seed
     overrides: list[str]
     wall_s: float
     num_samples: int
@@ -113,7 +117,7 @@ def run_variant(name: str, base_model, tokenizer, rl_steps: int, seed: int, root
     curve = [m["reward/mean"] for m in result.history]
     tail = curve[-max(1, len(curve) // 4):]
     accuracy = held_out_accuracy(model, tokenizer, config).accuracy
-    return VariantResult(name, VARIANTS[name], wall_s, int(result.history[-1].get("num_samples", 0)) or
+    return VariantResult(name, seed, VARIANTS[name], wall_s, int(result.history[-1].get("num_samples", 0)) or
                          rl_steps * config.rollout.prompts_per_step * config.rollout.group_size,
                          statistics.fmean(tail), accuracy, curve,
                          statistics.fmean(m["staleness/mean"] for m in result.history),
@@ -141,32 +145,44 @@ def warm_start(sft_steps: int, seed: int, root: Path, cache: Path | None, task: 
     return model, tokenizer
 
 
-def print_tables(results: list[VariantResult], checkpoints: list[int]) -> None:
-    # The baseline is the best synchronous run: two threads win on an idle machine, one on a busy one.
-    syncs = [r for r in results if r.name in ("sync", "sync_1t")] or results[:1]
-    sync = min(syncs, key=lambda r: r.wall_s)
-    print(f"speed-ups against {sync.name} (the fastest synchronous variant run)")
-    print("| variant | overrides | wall-clock s | speed-up vs sync | steady s/step | steady speed-up "
-          "| final reward | held-out acc | mean lag |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        extra = " ".join(o for o in r.overrides if o not in ASYNC) or "(sync)"
-        print(f"| {r.name} | `{extra}` | {r.wall_s:.1f} | {sync.wall_s / r.wall_s:.2f}x | "
-              f"{r.steady_step_s:.3f} | {sync.steady_step_s / r.steady_step_s:.2f}x | "
-              f"{r.final_reward:.3f} | {r.accuracy:.1%} | {r.mean_staleness:.2f} |")
-    print("\nreward/mean at step (mean of the 5 steps ending there):")
+def print_tables(runs: dict[str, list[VariantResult]], checkpoints: list[int]) -> None:
+    """One row per variant over its repeats. A speed-up is taken within a repeat, against that
+    repeat's fastest synchronous run (two threads win on an idle machine, one on a busy one), then
+    the median over repeats is reported: a repeat's variants run minutes apart, repeats further."""
+    num_repeats = len(next(iter(runs.values())))
+    sync_names = [n for n in runs if n in ("sync", "sync_1t")] or [next(iter(runs))]
+    baselines = [min((runs[n][rep] for n in sync_names), key=lambda r: r.wall_s) for rep in range(num_repeats)]
+    print(f"speed-ups against the fastest synchronous variant ({', '.join(sync_names)}) of each repeat; "
+          f"{num_repeats} repeat(s), RL seeds {', '.join(str(r.seed) for r in baselines)}")
+    print("| variant | overrides | wall-clock s (median) | speed-up vs sync (median) | per repeat "
+          "| steady s/step | steady speed-up | final reward (mean) | held-out acc (mean) | mean lag |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, rs in runs.items():
+        extra = " ".join(o for o in rs[0].overrides if o not in ASYNC) or "(sync)"
+        ratios = [b.wall_s / r.wall_s for b, r in zip(baselines, rs)]
+        steady = [b.steady_step_s / r.steady_step_s for b, r in zip(baselines, rs)]
+        print(f"| {name} | `{extra}` | {statistics.median(r.wall_s for r in rs):.1f} | "
+              f"{statistics.median(ratios):.2f}x | {' '.join(f'{x:.2f}' for x in ratios)} | "
+              f"{statistics.median(r.steady_step_s for r in rs):.3f} | {statistics.median(steady):.2f}x | "
+              f"{statistics.fmean(r.final_reward for r in rs):.3f} | "
+              f"{statistics.fmean(r.accuracy for r in rs):.1%} | "
+              f"{statistics.fmean(r.mean_staleness for r in rs):.2f} |")
+    print("\nreward/mean at step (mean of the 5 steps ending there, averaged over repeats):")
     print("| variant | " + " | ".join(str(c) for c in checkpoints) + " |")
     print("|---|" + "---|" * len(checkpoints))
-    for r in results:
-        cells = [statistics.fmean(r.reward_curve[max(0, c - 5):c]) for c in checkpoints]
-        print(f"| {r.name} | " + " | ".join(f"{v:.3f}" for v in cells) + " |")
+    for name, rs in runs.items():
+        cells = [statistics.fmean(statistics.fmean(r.reward_curve[max(0, c - 5):c]) for r in rs)
+                 for c in checkpoints]
+        print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in cells) + " |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--rl-steps", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="warm start seed; RL seed of the first repeat")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every variant this many times (RL seeds seed, seed+1, ...), round-robin")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--sft-cache", default=None, help="directory keeping the warm-started weights")
@@ -185,17 +201,19 @@ def main() -> None:
         model, tokenizer = warm_start(args.sft_steps, args.seed, root,
                                       Path(args.sft_cache) if args.sft_cache else None, args.task)
         print(f"SFT warm start: {args.sft_steps} steps in {time.perf_counter() - start:.0f}s", flush=True)
-        results = []
-        for name in names:
-            results.append(run_variant(name, model, tokenizer, args.rl_steps, args.seed, root, args.task))
-            r = results[-1]
-            print(f"{name}: {r.wall_s:.1f}s, final reward {r.final_reward:.3f}, accuracy {r.accuracy:.1%}",
-                  flush=True)
+        runs: dict[str, list[VariantResult]] = {name: [] for name in names}
+        for rep in range(args.repeats):  # round-robin: drift on the host spreads over all variants
+            for name in names:
+                r = run_variant(name, model, tokenizer, args.rl_steps, args.seed + rep, root / str(rep), args.task)
+                runs[name].append(r)
+                print(f"{name} (seed {r.seed}): {r.wall_s:.2f}s, final reward {r.final_reward:.3f}, "
+                      f"accuracy {r.accuracy:.1%}", flush=True)
     checkpoints = sorted({max(5, args.rl_steps * k // 4) for k in range(1, 5)})
-    print_tables(results, checkpoints)
+    print_tables(runs, checkpoints)
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": asdict(info), "args": vars(args),
-                                              "results": [asdict(r) for r in results]}, indent=1))
+                                              "results": {n: [asdict(r) for r in rs] for n, rs in runs.items()}},
+                                             indent=1))
 
 
 if __name__ == "__main__":

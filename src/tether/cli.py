@@ -49,7 +49,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="A shorter run (about a third of the time).")
     p.add_argument("--out", help="Run directory (default: runs/demo-<timestamp>/).")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", choices=["sync", "async"], default=None, help="RL loop mode.")
+    p.add_argument("--mode", choices=["sync", "async"], default="async",
+                   help="RL loop: async (default; generator process and trainer overlap, staleness <= 2) "
+                   "or sync (on-policy).")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,9 @@
    inherits the teacher's habit and is still weak at carries;
 3. held-out greedy accuracy (before RL);
 4. GRPO with the task's verifiable reward (the exact answer), which unlearns what the verifier
-   rejects and improves the arithmetic;
+   rejects and improves the arithmetic; asynchronous by default (``MODES``: generator process and
+   trainer overlap within a staleness of 2, faster than sync on 2 cores at the same reward, see
+   docs/benchmarks.md), ``--mode sync`` for the on-policy loop;
 5. held-out greedy accuracy again (after RL).
 """
 
@@ -40,12 +42,13 @@ GRPO = ["recipe=grpo", "name=demo-grpo", "trainer.lr=3e-4", "trainer.warmup_step
         "rollout.prompts_per_step=16", "rollout.max_new_tokens=6", "rollout.temperature=1.0",
         "data.num_train=2000"]
 STEPS = {False: {"sft": 800, "grpo": 200}, True: {"sft": 800, "grpo": 60}}
+MODES = {"sync": ["rollout.mode=sync"], "async": ["rollout.mode=async", "rollout.max_staleness=2"]}
 
 
-def demo_configs(quick: bool, seed: int, mode: str | None) -> tuple[ExperimentConfig, ExperimentConfig]:
+def demo_configs(quick: bool, seed: int, mode: str = "async") -> tuple[ExperimentConfig, ExperimentConfig]:
     steps = STEPS[quick]
     sft = load_config(None, [*COMMON, *SFT, f"seed={seed}", f"trainer.max_steps={steps['sft']}"])
-    extra = [f"rollout.mode={mode}"] if mode else []
+    extra = MODES[mode]
     grpo = load_config(None, [*COMMON, *GRPO, f"seed={seed}", f"trainer.max_steps={steps['grpo']}", *extra])
     return sft, grpo
 
@@ -59,7 +62,7 @@ def held_out_accuracy(model: torch.nn.Module, tokenizer, config: ExperimentConfi
         max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
 
 
-def run_demo(quick: bool = False, out: str | None = None, seed: int = 0, mode: str | None = None) -> float:
+def run_demo(quick: bool = False, out: str | None = None, seed: int = 0, mode: str = "async") -> float:
     """Runs the demo, prints progress and the result; returns the accuracy gain in points."""
     start = time.perf_counter()
     sft_config, grpo_config = demo_configs(quick, seed, mode)
