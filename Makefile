@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/pytest -n 2 -q tests
 
-# Every benchmark with the command docs/benchmarks.md records (about 25 minutes on 2 cores).
+# Every benchmark with the command docs/benchmarks.md records (about 35 minutes on 2 cores).
 BENCH_CACHE ?= /tmp/tether-bench-cache
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[dev,bench]"
@@ -32,8 +32,9 @@ bench: $(STAMP)
 	$(BIN)/python bench/engine_throughput.py --threads 1
 	$(BIN)/python bench/spec_decode.py --cache-dir $(BENCH_CACHE)/spec
 	$(BIN)/python bench/async_rl.py --sft-steps 400 --rl-steps 150 --sft-cache $(BENCH_CACHE) \
-		--variants sync,sync_1t,s1,s2,s2_cut,s4_ppo_behav,s4
-	$(BIN)/python bench/trl_reward.py --sft-steps 800 --rl-steps 200 --sft-cache $(BENCH_CACHE)
+		--variants sync,sync_1t,s1,s1_noboot,s2,s2_cut,s4_ppo_behav,s4 --repeats 3
+	$(BIN)/python bench/trl_reward.py --sft-steps 800 --rl-steps 200 --sft-cache $(BENCH_CACHE) \
+		--variants sync_1t,s1,s2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
