@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from rollout_helpers import tiny_config
 
 from tether.recipes.grpo import build_generator_worker
 from tether.rollout.generator_worker import GeneratorWorker
+from tether.rollout.local_backend import HandoverTransport
 
 
 def make_worker(tiny_policy, *overrides: str, reward: str = "count_digits") -> GeneratorWorker:
@@ -121,3 +123,63 @@ def test_a_drained_worker_finishes_its_groups_and_hands_over_the_whole_stream(ti
     more = run_until_groups(fresh)
     assert sorted(g.uid for g in more) == list(range(started, started + 3))
     assert [g.record for g in sorted(more, key=lambda g: g.uid)] == expected
+
+
+class _ProcessStandIn:
+    """The generator process's side of a hand-over, in this thread: a second worker."""
+
+    def __init__(self, worker: GeneratorWorker) -> None:
+        self.worker = worker
+        self.ready = False
+        self.received: tuple[dict, int] | None = None
+
+    @property
+    def counters(self):
+        return self.worker.counters
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def hand_over(self, state, named_tensors, version: int) -> None:
+        self.received = (state, version)
+        self.worker.load_state_dict(state)
+        self.worker.load_weights(list(named_tensors), version)
+
+    def poll(self, timeout_s: float):
+        return run_until_groups(self.worker)
+
+    def publish_weights(self, named_tensors, version: int) -> None:
+        self.worker.load_weights(list(named_tensors), version)
+
+
+@pytest.mark.parametrize("partial", ["true", "false"])
+def test_hand_over_waits_for_groups_in_flight_and_sends_the_version_they_end_under(tiny_policy, partial):
+    model, tokenizer = tiny_policy
+    overrides = ("rollout.max_staleness=1", f"rollout.partial_rollouts={partial}")
+    policy = copy.deepcopy(model)
+    local = build_generator_worker(
+        tiny_config("rollout.mode=async", "rollout.max_new_tokens=8", *overrides), policy, tokenizer)
+    remote = _ProcessStandIn(make_worker(tiny_policy, *overrides))
+    transport = HandoverTransport(local, remote)  # type: ignore[arg-type]
+    local.step()
+    local.step()
+    started = len(local.in_flight)
+    assert started == 6  # (v + S + 1) * B groups in flight
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)
+    transport.publish_weights(policy.named_parameters(), version=1)  # deferred when partial=false
+    remote.ready = True
+    local_groups, remote_groups = [], []
+    for _ in range(100):
+        if remote_groups:
+            break
+        groups = transport.poll(1.0)  # the poll that hands over returns the process's first groups
+        (remote_groups if transport.is_handed_over else local_groups).extend(groups)
+        assert transport.is_handed_over or remote.received is None
+    assert len(local_groups) == started  # drained: every group in flight finished locally, no new one
+    state, version = remote.received
+    assert version == 1 and state["version"] == 1 and state["reissue"] == []
+    assert state["num_started"] == started and remote.worker.counters.num_weight_updates == 1
+    assert sorted(g.uid for g in remote_groups) == list(range(started, started + 3))  # one more batch
+    assert all(set(c.versions) == {1} for g in remote_groups for c in g.completions)

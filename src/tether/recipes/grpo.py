@@ -147,11 +147,17 @@ def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any)
         remote = ProcessTransport(make_worker, weights, num_threads=thread_split(config)[1],
                                   wait_for_handover=r.generate_during_boot)
         # Started first, so that it boots while the trainer's process builds its own worker.
-        transport = (HandoverTransport(build_generator_worker(config, model, tokenizer), remote)
-                     if r.generate_during_boot else remote)
+        try:
+            transport = (HandoverTransport(build_generator_worker(config, model, tokenizer), remote)
+                         if r.generate_during_boot else remote)
+            trainer = build_trainer(config, model)
+        except BaseException:
+            remote.close()  # not left waiting for a hand-over that will never come
+            raise
     else:
         transport = InProcessTransport(build_generator_worker(config, model, tokenizer))
-    return AsyncRLComponents(transport, build_trainer(config, model), RolloutBuffer(max_staleness(config)),
+        trainer = build_trainer(config, model)
+    return AsyncRLComponents(transport, trainer, RolloutBuffer(max_staleness(config)),
                              ADVANTAGES.get(config.algorithm.advantage), groups_per_batch=r.prompts_per_step,
                              group_size=r.group_size)
 

@@ -104,8 +104,9 @@ class GeneratorWorker:
 
     def _apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.engine.update_weights(named_tensors, version)
+        if version != self.version:  # a hand-over re-sends the version its state already counted
+            self.counters.num_weight_updates += 1
         self.version = version
-        self.counters.num_weight_updates += 1
         doomed = [rid for rid, g in self.in_flight.items()
                   if version - g.oldest_version > self.settings.max_staleness]
         if doomed:

@@ -185,8 +185,15 @@ class ProcessTransport:
             with contextlib.suppress(queue.Empty):
                 self._unpack(self._results.get_nowait())  # "ready" sets the flag; "error" raises
             if not self._is_ready and not self._process.is_alive():
-                raise GeneratorCrashedError(f"the generator process exited with code {self._process.exitcode}")
+                self._raise_exited()
         return self._is_ready
+
+    def _raise_exited(self) -> None:
+        """The process is gone: raise with its error report when one is still in the queue."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._unpack(self._results.get(timeout=0.1))  # an "error" message raises with its traceback
+        raise GeneratorCrashedError(f"the generator process exited with code {self._process.exitcode}")
 
     def hand_over(self, state: dict[str, Any], named_tensors: Iterable[tuple[str, torch.Tensor]],
                   version: int) -> None:
@@ -207,7 +214,7 @@ class ProcessTransport:
                 while True:
                     groups.extend(self._unpack(self._results.get_nowait()))
         if not groups and not self._process.is_alive():
-            raise GeneratorCrashedError(f"the generator process exited with code {self._process.exitcode}")
+            self._raise_exited()
         return groups
 
     def _unpack(self, message: tuple[str, Any, GeneratorCounters | None]) -> list[GroupRollout]:
@@ -277,8 +284,12 @@ class HandoverTransport:
         return local.poll(timeout_s)
 
     def _hand_over(self, worker: GeneratorWorker) -> None:
+        # ``_latest`` holds the trainer's live parameters: still the values of ``version`` because the
+        # switch happens inside a poll, between a step's publish and the next step's optimizer update.
         named_tensors, version = self._latest if self._latest is not None else (
             list(worker.engine.model.named_parameters()), worker.version)
+        if version != worker.version:
+            raise RuntimeError(f"hand-over of version {version} from a worker holding {worker.version}")
         self.remote.hand_over(worker.state_dict(), named_tensors, version)
         self._local = None  # frees its engine and KV pool
 

@@ -56,9 +56,15 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
     logps = torch.zeros(mask.shape, dtype=torch.float32)
     versions = torch.zeros(mask.shape, dtype=torch.long)
     # One tensor per field for the whole batch: per-row copies cost ~10 ms for 256 rows.
+    flat_logps = [x for c in completions for x in c.logprobs]
+    flat_versions = [v for c in completions for v in c.versions]
+    num_tokens = int(lengths.sum())
+    if len(flat_logps) != num_tokens or len(flat_versions) != num_tokens:
+        raise ValueError(f"completions carry {len(flat_logps)} log-probs and {len(flat_versions)} versions "
+                         f"for {num_tokens} tokens")
     ids[mask] = torch.tensor([t for c in completions for t in c.token_ids], dtype=torch.long)
-    logps[mask] = torch.tensor([x for c in completions for x in c.logprobs], dtype=torch.float32)
-    versions[mask] = torch.tensor([v for c in completions for v in c.versions], dtype=torch.long)
+    logps[mask] = torch.tensor(flat_logps, dtype=torch.float32)
+    versions[mask] = torch.tensor(flat_versions, dtype=torch.long)
     rows_prompt_ids = [prompt_ids[c.prompt_index] for c in completions]
     return RolloutBatch(rows_prompt_ids, ids, mask, logps, versions, rewards, advantages, group_size)
 
