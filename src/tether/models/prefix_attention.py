@@ -41,6 +41,15 @@ SUFFIX_BUCKET_ELEMENTS = 1 << 22
 LANE_QUERY_TOKENS = 64
 
 
+def _offsets(lengths: Sequence[int], start: int) -> list[int]:
+    """Where each of consecutive pieces of ``lengths`` begins, the first at ``start``."""
+    out, offset = [], start
+    for n in lengths:
+        out.append(offset)
+        offset += n
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class _SuffixBucket:
     """One SDPA call: queries ``[b, Tq]`` and keys ``[b, Tk]`` of b lanes gathered from the packed row."""
@@ -80,6 +89,8 @@ class SharedPrefixAttention:
     _masks: dict[tuple[int, bool], torch.Tensor | None] = field(default_factory=dict, init=False, repr=False)
     # Lanes emit suffix tokens grouped by prefix; this puts them back in packed order (None: already).
     _unpermute: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _prefix_starts: list[int] = field(default_factory=list, init=False, repr=False)
+    _suffix_starts: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prefix_lens = [int(n) for n in self.prefix_lens]
@@ -91,6 +102,8 @@ class SharedPrefixAttention:
             raise ValueError("prefix lengths must be positive and suffix lengths non-negative")
         if any(not 0 <= g < len(self.prefix_lens) for g in self.suffix_prefix):
             raise ValueError(f"suffix_prefix must index the {len(self.prefix_lens)} prefixes")
+        self._prefix_starts = _offsets(self.prefix_lens, 0)
+        self._suffix_starts = _offsets(self.suffix_lens, self.num_prefix_tokens)
         self._prefix = PackedAttention(self.prefix_lens, self.sliding_window, self.sliding_window_layers)
         self._buckets = self._make_buckets()
         emitted = torch.cat([torch.arange(self.num_prefix_tokens)]
@@ -108,19 +121,11 @@ class SharedPrefixAttention:
 
     def prefix_starts(self) -> list[int]:
         """Offset of each prefix in the packed row."""
-        starts, offset = [], 0
-        for n in self.prefix_lens:
-            starts.append(offset)
-            offset += n
-        return starts
+        return list(self._prefix_starts)
 
     def suffix_starts(self) -> list[int]:
         """Offset of each suffix in the packed row (after every prefix)."""
-        starts, offset = [], self.num_prefix_tokens
-        for n in self.suffix_lens:
-            starts.append(offset)
-            offset += n
-        return starts
+        return list(self._suffix_starts)
 
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[1, N]``: 0..P-1 on each prefix, P..P+S-1 on each suffix."""
@@ -161,7 +166,7 @@ class SharedPrefixAttention:
     def _bucket(self, lanes: list[_Lane]) -> _SuffixBucket:
         # Index lists are built in Python and converted once: per-row tensor ops cost more than the
         # attention itself on a GRPO batch of short completions.
-        prefix_starts, suffix_starts = self.prefix_starts(), self.suffix_starts()
+        prefix_starts, suffix_starts = self._prefix_starts, self._suffix_starts
         max_prefix = max(self.prefix_lens[x.prefix] for x in lanes)
         max_queries = max(x.num_queries for x in lanes)
         is_causal = len(lanes) == 1 and len(lanes[0].rows) == 1 and (

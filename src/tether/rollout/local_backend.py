@@ -238,7 +238,7 @@ class ProcessTransport:
         """Stop the process: it finishes its engine step and exits; one still starting up (importing,
         building its engine) holds nothing yet and is terminated rather than waited for."""
         self._stop.set()
-        with contextlib.suppress(queue.Empty, GeneratorCrashedError, OSError, ValueError):
+        with contextlib.suppress(GeneratorCrashedError, OSError, ValueError):  # OSError/ValueError: closed pipe
             self.is_ready()
         if self._is_ready:
             self._process.join(timeout_s)

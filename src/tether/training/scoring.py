@@ -84,10 +84,12 @@ def shared_prompts(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[i
 
 
 def pack_shared_prompts(prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                        windows: dict[str, Any] | None = None) -> PackedSequences:
+                        windows: dict[str, Any] | None = None,
+                        shared: tuple[list[list[int]], list[int]] | None = None) -> PackedSequences:
     """Each distinct prompt once, then every completion (``SharedPrefixAttention``): a GRPO group's
-    prompt goes through the model once instead of once per sample."""
-    prompts, row_prompt = shared_prompts(prompt_ids)
+    prompt goes through the model once instead of once per sample. ``shared``: ``shared_prompts
+    (prompt_ids)`` when the caller has it already."""
+    prompts, row_prompt = shared if shared is not None else shared_prompts(prompt_ids)
     suffix_lens = [max(len(c) - 1, 0) for c in completion_ids]
     attention = SharedPrefixAttention([len(p) for p in prompts], suffix_lens, row_prompt, **(windows or {}))
     prompt_starts, suffix_starts = attention.prefix_starts(), attention.suffix_starts()
@@ -118,9 +120,12 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: list[list[int]], com
     Differentiable when called with grad enabled. ``num_cols`` fixes T (default: longest completion).
     ``share_prompts``: rows with the same prompt (a GRPO group) share one pass over it; same result.
     """
-    is_shared = share_prompts and len(shared_prompts(prompt_ids)[0]) < len(prompt_ids)
-    pack = pack_shared_prompts if is_shared else pack_sequences
-    packed = pack(prompt_ids, completion_ids, sliding_window_args(model.config))
+    windows = sliding_window_args(model.config)
+    shared = shared_prompts(prompt_ids) if share_prompts else None
+    if shared is not None and len(shared[0]) < len(prompt_ids):
+        packed = pack_shared_prompts(prompt_ids, completion_ids, windows, shared)
+    else:
+        packed = pack_sequences(prompt_ids, completion_ids, windows)
     hidden = model(packed.input_ids, packed.positions, packed.attention)  # [1, N, H]
     logits = model.compute_logits(hidden[0, packed.predict_index])  # [M, V]
     token_logp = gather_token_logprobs(logits, packed.targets, sampling.temperature, sampling.top_k,
