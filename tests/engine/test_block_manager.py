@@ -1,6 +1,6 @@
-import torch
 
 from tether.engine.block_manager import BlockManager
+from tether.engine.rng import SampleRNG
 from tether.engine.sequence import Sequence
 from tether.engine.types import SamplingParams
 
@@ -14,7 +14,7 @@ def make_seq(token_ids: list[int], seq_id: int = 0) -> Sequence:
         num_prompt_tokens=len(token_ids),
         params=SamplingParams(),
         stop_token_ids=frozenset(),
-        generator=torch.Generator(),
+        rng=SampleRNG(0),
     )
 
 

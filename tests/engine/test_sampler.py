@@ -4,13 +4,14 @@ import pytest
 import torch
 
 from tether.algorithms.logprobs import process_logits
+from tether.engine.rng import SampleRNG
 from tether.engine.sampler import Sampler, finish_reason
 from tether.engine.sequence import Sequence
 from tether.engine.types import SamplingParams
 
 
-def generators(*seeds: int) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(s) for s in seeds]
+def generators(*seeds: int) -> list[SampleRNG]:
+    return [SampleRNG(s) for s in seeds]
 
 
 def test_greedy_takes_argmax_and_reports_raw_logprob():
@@ -82,7 +83,7 @@ def test_plain_sampling_path_matches_the_general_one(temperature):
 
 
 def make_seq(prompt: list[int], params: SamplingParams, stop_ids=()) -> Sequence:
-    return Sequence(0, 0, 0, list(prompt), len(prompt), params, frozenset(stop_ids), torch.Generator())
+    return Sequence(0, 0, 0, list(prompt), len(prompt), params, frozenset(stop_ids), SampleRNG(0))
 
 
 class CharTokenizer:

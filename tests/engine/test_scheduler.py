@@ -1,6 +1,6 @@
-import torch
 
 from tether.engine.block_manager import BlockManager
+from tether.engine.rng import SampleRNG
 from tether.engine.scheduler import Scheduler, SchedulerOutput
 from tether.engine.sequence import Sequence, SequenceStatus
 from tether.engine.types import SamplingParams
@@ -16,7 +16,7 @@ def make_seq(num_tokens: int, seq_id: int, first_token: int = 0) -> Sequence:
         num_prompt_tokens=num_tokens,
         params=SamplingParams(),
         stop_token_ids=frozenset(),
-        generator=torch.Generator(),
+        rng=SampleRNG(0),
     )
 
 

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from helpers.hf_tiny import make_hf_checkpoint
 from helpers.reference import assert_same_completions, full_forward_logprobs
 from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
+from tether.engine.rng import SampleRNG
 from tether.engine.speculative import NgramProposer, accept_drafts, accept_greedy, ngram_lookup
 from tether.errors import ConfigError
 from tether.models import load_model
@@ -93,7 +94,7 @@ def test_ngram_lookup_finds_the_most_recent_longest_match():
 def test_ngram_proposer_caps_at_the_slots_given():
     from tether.engine.sequence import Sequence
 
-    seq = Sequence(0, 0, 0, [1, 2, 3, 4, 1, 2], 6, GREEDY, frozenset(), torch.Generator())
+    seq = Sequence(0, 0, 0, [1, 2, 3, 4, 1, 2], 6, GREEDY, frozenset(), SampleRNG(0))
     proposals = NgramProposer(n_max=3, n_min=1, num_tokens=4).propose([seq, seq], [4, 1], [])
     assert [p.token_ids for p in proposals] == [[3, 4, 1, 2], [3]] and proposals[0].draft_probs is None
 

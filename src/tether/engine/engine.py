@@ -30,6 +30,7 @@ import torch
 from tether.engine.attention import SeqSpan
 from tether.engine.block_manager import BlockManager
 from tether.engine.config import EngineConfig
+from tether.engine.rng import SampleRNG
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput, num_kv_blocks_for
 from tether.engine.sampler import Detokenizer, Sampler, finish_reason
 from tether.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -226,7 +227,7 @@ class LLMEngine:
             seqs.extend(group)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]  # [N', V]
-        result = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        result = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs])
         done: list[Completion] = []
         for seq, token_id, logprob in zip(seqs, result.token_ids, result.logprobs):
             self._emit(seq, [token_id], [logprob])
@@ -337,11 +338,11 @@ class LLMEngine:
         stop_ids: frozenset[int],
         seed: int,
     ) -> Sequence:
-        generator = torch.Generator().manual_seed(sample_seed(seed, sample_index))
+        rng = SampleRNG(sample_seed(seed, sample_index))
         seq_id = self._next_seq_id
         self._next_seq_id += 1
         return Sequence(
-            seq_id, request_id, sample_index, list(prompt), len(prompt), params, stop_ids, generator
+            seq_id, request_id, sample_index, list(prompt), len(prompt), params, stop_ids, rng
         )
 
     def _check_request(self, prompt: list[int], params: SamplingParams) -> str | None:

@@ -3,9 +3,10 @@
 The distribution is ``tether.algorithms.logprobs.process_logits`` -- the trainer's own definition
 -- so a reported log-prob is exactly what the trainer recomputes with the same settings.
 
-Each sampling row draws one uniform from its sequence's own ``torch.Generator`` and inverts the
-row's CDF. A row's sample therefore depends only on its logits and its generator's state, never
-on which other sequences share the step (same seed, same sample, whatever the batch).
+Each sampling row draws one uniform from its sequence's own counter-based stream
+(``tether.engine.rng``) and inverts the row's CDF. A row's sample therefore depends only on its
+logits, its seed and how many draws it made before, never on which other sequences share the step
+(same seed, same sample, whatever the batch).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol
 import torch
 
 from tether.algorithms.logprobs import process_logits
+from tether.engine.rng import SampleRNG, draw_uniforms
 from tether.engine.sequence import Sequence
 from tether.engine.types import FinishReason, SamplingParams
 
@@ -53,28 +55,25 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> to
     return process_logits(logits, temperature, top_k, top_p, min_p)
 
 
-def draw_uniforms(generators: list[torch.Generator], num_per_row: int = 1) -> torch.Tensor:
-    """``[M, num_per_row]`` uniforms in [0, 1), row i from generators[i] (CPU generators)."""
-    return torch.stack([torch.rand(num_per_row, generator=g) for g in generators])
-
-
 class Sampler:
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+        self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[SampleRNG]
     ) -> SampleResult:
-        """logits ``[N, V]`` (row i belongs to params[i], generators[i]) -> a token and log-prob per row."""
+        """logits ``[N, V]`` (row i belongs to params[i], rngs[i]) -> a token and log-prob per row.
+
+        Every sampling (non-greedy) row draws exactly one uniform from its stream; greedy rows none."""
         device = logits.device
         if _is_plain_sampling(params):
-            return _sample_plain(logits, params[0].temperature, generators)
+            return _sample_plain(logits, params[0].temperature, rngs)
         logprobs = processed_logprobs(logits, params)  # [N, V] fp32
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if len(sampled_rows) == len(params):  # skip the argmax pass: it costs as much as sampling
-            token_ids = _inverse_cdf(logprobs, generators)
+            token_ids = _inverse_cdf(logprobs, rngs)
         else:
             token_ids = logprobs.argmax(dim=-1)  # [N]; final for greedy rows
             if sampled_rows:
                 rows = torch.tensor(sampled_rows, device=device)
-                token_ids[rows] = _inverse_cdf(logprobs[rows], [generators[i] for i in sampled_rows])
+                token_ids[rows] = _inverse_cdf(logprobs[rows], [rngs[i] for i in sampled_rows])
         picked = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [N]
         return SampleResult(token_ids.tolist(), picked.tolist())  # the step's one host sync
 
@@ -87,7 +86,7 @@ def _is_plain_sampling(params: list[SamplingParams]) -> bool:
                     for p in params))
 
 
-def _sample_plain(logits: torch.Tensor, temperature: float, generators: list[torch.Generator]) -> SampleResult:
+def _sample_plain(logits: torch.Tensor, temperature: float, rngs: list[SampleRNG]) -> SampleResult:
     """``Sampler.sample`` without filters, in three passes over ``[N, V]`` instead of six.
 
     ``process_logits`` here is ``log_softmax(logits / t)``; its value at the sampled token is
@@ -101,15 +100,15 @@ def _sample_plain(logits: torch.Tensor, temperature: float, generators: list[tor
         scaled = scaled / temperature
     peak = scaled.amax(dim=-1, keepdim=True)  # [N, 1]
     weights = torch.sub(scaled, peak).exp_()  # [N, V] unnormalised probabilities, max 1
-    uniforms = draw_uniforms(generators)[:, 0].to(logits.device)  # [N]
+    uniforms = draw_uniforms(rngs)[:, 0].to(logits.device)  # [N]
     token_ids, totals = inverse_cdf_with_total(weights, uniforms)  # [N], [N]
     picked = scaled.gather(-1, token_ids[:, None]).squeeze(-1) - peak.squeeze(-1) - totals.log()  # [N]
     return SampleResult(token_ids.tolist(), picked.tolist())
 
 
-def _inverse_cdf(logprobs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """logprobs [M, V] -> LongTensor [M]: one draw per row from its own generator."""
-    uniforms = draw_uniforms(generators)[:, 0].to(logprobs.device)  # [M]
+def _inverse_cdf(logprobs: torch.Tensor, rngs: list[SampleRNG]) -> torch.Tensor:
+    """logprobs [M, V] -> LongTensor [M]: one draw per row from its own stream."""
+    uniforms = draw_uniforms(rngs)[:, 0].to(logprobs.device)  # [M]
     return inverse_cdf(logprobs.exp(), uniforms)
 
 

@@ -1,4 +1,4 @@
-"""``Sequence``: one sample being generated -- its tokens, its KV blocks, its progress, its RNG.
+"""``Sequence``: one sample being generated -- its tokens, its KV blocks, its progress, its RNG stream.
 
 A request with ``n`` samples becomes ``n`` sequences. Only the first (the *leader*) is scheduled
 while the prompt is prefilled; the others (its *followers*) wait inside it and are forked off once
@@ -11,17 +11,16 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
+from tether.engine.rng import SampleRNG
 from tether.engine.types import Completion, FinishReason, SamplingParams
 
-# Odd 64-bit multiplier that spreads (seed, sample_index) pairs over distinct generator seeds.
+# Odd 64-bit multiplier that spreads (seed, sample_index) pairs over distinct stream seeds.
 _SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
 _SEED_MASK = (1 << 63) - 1
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
-    """The generator seed of sample ``sample_index`` of a request seeded with ``seed``."""
+    """The stream seed (``SampleRNG``) of sample ``sample_index`` of a request seeded with ``seed``."""
     return (seed * _SAMPLE_SEED_STRIDE + sample_index) & _SEED_MASK
 
 
@@ -40,7 +39,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     stop_token_ids: frozenset[int]
-    generator: torch.Generator  # this sample's own RNG: same seed, same sample, whatever the batch
+    rng: SampleRNG  # this sample's own random stream: same seed, same sample, whatever the batch
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose KV is in this sequence's blocks. Reset to 0 on preemption (recompute policy).
     num_computed_tokens: int = 0

@@ -24,12 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tether.engine.attention import SeqSpan
 from tether.engine.config import EngineConfig
+from tether.engine.rng import draw_at, draw_uniforms
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput
-from tether.engine.sampler import draw_uniforms, inverse_cdf, processed_logprobs
+from tether.engine.sampler import inverse_cdf, processed_logprobs
 from tether.engine.sequence import Sequence
 from tether.engine.types import SamplingParams
 from tether.errors import ConfigError
@@ -162,7 +164,7 @@ class DraftModelProposer:
         logprobs = processed_logprobs(logits, [seq.params for seq in seqs])  # [S, V]
         q = logprobs.exp()
         is_greedy = torch.tensor([seq.params.is_greedy for seq in seqs], device=q.device)
-        sampled = inverse_cdf(q, draw_uniforms([seq.generator for seq in seqs])[:, 0].to(q.device))
+        sampled = inverse_cdf(q, draw_uniforms([seq.rng for seq in seqs])[:, 0].to(q.device))
         tokens = torch.where(is_greedy, logprobs.argmax(dim=-1), sampled)  # [S]
         return tokens.tolist(), q
 
@@ -193,17 +195,15 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -
 
 
 def _draw_verify_uniforms(seqs: list[Sequence], drafts: list[Proposal], k: int) -> torch.Tensor:
-    """[S, K + 1]: n_i acceptance draws then the stop draw (in column K), from each row's generator.
+    """[S, K + 1]: n_i acceptance draws then the stop draw (in column K), from each row's stream.
 
     Exactly n_i + 1 draws per sequence, whatever the other rows' proposals: a seeded request's
     sample does not depend on what shares its step.
     """
-    uniforms = torch.zeros(len(seqs), k + 1)
-    for row, (seq, draft) in enumerate(zip(seqs, drafts)):
-        draws = torch.rand(draft.num_tokens + 1, generator=seq.generator)
-        uniforms[row, : draft.num_tokens] = draws[:-1]
-        uniforms[row, k] = draws[-1]
-    return uniforms
+    # Column j < K is draw j (used for j < n_i); column K is draw n_i, the stop draw.
+    columns = np.tile(np.arange(k + 1, dtype=np.uint64), (len(seqs), 1))
+    columns[:, k] = [d.num_tokens for d in drafts]
+    return draw_at([seq.rng for seq in seqs], columns, [d.num_tokens + 1 for d in drafts])
 
 
 @dataclass(slots=True)

@@ -1,0 +1,61 @@
+"""Each sample's random stream: counter-based, so a draw is a pure function of (seed, draw index).
+
+The j-th uniform of a sample seeded ``s`` is SplitMix64's j-th output for state ``s`` (Steele,
+Lea and Flood 2014, "Fast Splittable Pseudorandom Number Generators"): ``mix(s + (j + 1) * gamma)``
+with gamma the odd golden-ratio constant, its top 24 bits scaled into [0, 1) -- a float32 that is
+exact and never 1.0, as ``torch.rand`` draws. The whole state of a sample's stream is two integers
+(``SampleRNG``), and a step draws for all its rows in a handful of vectorised integer operations
+instead of one ``torch.rand`` call per row (which was ~1 ms of a 256-row step on these CPUs).
+
+Same seed, same draws, whatever else shares the step: a row's uniforms depend only on its own
+seed and how many it drew before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+_FLOAT_BITS = 24  # float32's significand: every value k / 2**24 is exact
+_SEED_MASK = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SampleRNG:
+    """One sample's stream: its seed and the number of uniforms it has drawn."""
+
+    seed: int
+    num_draws: int = 0
+
+
+def counter_uniforms(seeds: np.ndarray, counters: np.ndarray) -> torch.Tensor:
+    """uint64 arrays of one shape -> float32 uniforms in [0, 1) of that shape: draw ``counters`` of
+    the streams ``seeds`` (any shape; arrays, so that wrapping multiplication never warns)."""
+    z = seeds + (counters + np.uint64(1)) * _GAMMA  # wraps mod 2**64, as SplitMix64 does
+    z = (z ^ (z >> np.uint64(30))) * _MIX_1
+    z = (z ^ (z >> np.uint64(27))) * _MIX_2
+    z ^= z >> np.uint64(31)
+    top = (z >> np.uint64(64 - _FLOAT_BITS)).astype(np.float32)  # < 2**24: exact in float32
+    return torch.from_numpy(top * np.float32(1.0 / (1 << _FLOAT_BITS)))
+
+
+def draw_uniforms(rngs: Sequence[SampleRNG], num_per_row: int = 1) -> torch.Tensor:
+    """``[M, num_per_row]`` float32 uniforms in [0, 1), row i the next draws of rngs[i] (advanced)."""
+    offsets = np.broadcast_to(np.arange(num_per_row, dtype=np.uint64), (len(rngs), num_per_row))
+    return draw_at(rngs, offsets, [num_per_row] * len(rngs))
+
+
+def draw_at(rngs: Sequence[SampleRNG], offsets: np.ndarray, num_drawn: Sequence[int]) -> torch.Tensor:
+    """``[M, K]`` uniforms: row i's draws ``offsets[i]`` (uint64 ``[M, K]``, counted from its next
+    draw); then rngs[i] advances by ``num_drawn[i]``, the draws it consumed."""
+    seeds = np.fromiter((r.seed & _SEED_MASK for r in rngs), dtype=np.uint64, count=len(rngs))
+    starts = np.fromiter((r.num_draws for r in rngs), dtype=np.uint64, count=len(rngs))
+    for r, num in zip(rngs, num_drawn):
+        r.num_draws += num
+    return counter_uniforms(seeds[:, None], starts[:, None] + offsets)
