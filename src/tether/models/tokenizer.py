@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from tether.errors import CheckpointError
+
+if TYPE_CHECKING:  # transformers is imported where it is used: ~1 s that most imports of tether skip
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3
@@ -30,6 +32,8 @@ CHAT_TEMPLATE = (
 def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, then one
     token per character of ``alphabet`` (default: printable ASCII and ``\\n``, 100 tokens in all)."""
+    from transformers import PreTrainedTokenizerFast
+
     chars = list(dict.fromkeys(DEFAULT_ALPHABET if alphabet is None else alphabet))
     vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
@@ -52,6 +56,8 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """``AutoTokenizer.from_pretrained(path)`` from local files only, errors as ``CheckpointError``."""
+    from transformers import AutoTokenizer
+
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"tokenizer directory {directory} does not exist")
