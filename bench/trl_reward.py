@@ -2,6 +2,7 @@
 
     python bench/trl_reward.py [--sft-steps 800] [--rl-steps 200] [--variants sync_1t,s1]
                                [--sft-cache DIR] [--target R] [--window 10] [--out results.json] [--quick]
+                               [--seed 0 | --seeds 0,1,2]
 
 1. One SFT warm start of the demo's model (``tether.demo`` COMMON + SFT; cached under ``--sft-cache``
    with the same file names as ``bench/async_rl.py``), saved by tether as a Hugging Face checkpoint
@@ -34,11 +35,16 @@ Report: per-step rewards smoothed by a trailing mean over ``--window`` steps (de
 window-th step on), a target = 0.95 x the lowest best smoothed reward of all systems (or
 ``--target``), the first wall-clock at which each system's smoothed reward reaches it and the ratio
 TRL / tether per variant; also total wall-clock, mean s/step and final smoothed reward.
+
+``--seeds 0,1,2``: the whole comparison once per seed (each seed its own warm start), a report per
+seed, then the same report on the systems' mean curves over the seeds (per step: the mean reward
+and the mean wall-clock at its end), whose target and time to target one RL run's noise moves less.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -78,6 +84,7 @@ class Settings:
     sft_cache: str | None = None
     out: str | None = None
     threads: int = 1  # torch threads of TRL and of tether's ``sync`` variant (``sync_1t``, ``s1``: 1 per process)
+    seeds: tuple[int, ...] = ()  # --seeds: one comparison per seed, then the mean curves
 
 
 @dataclass(slots=True)
@@ -117,6 +124,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     p.add_argument("--target", type=float, default=None, help=f"target smoothed reward (default: "
                    f"{TARGET_FRACTION} x the lowest best smoothed reward)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seeds", default="", help="comma-separated seeds: a comparison per seed, then one "
+                   "over the mean curves (overrides --seed)")
     p.add_argument("--sft-cache", default=None, help="directory keeping the warm-started weights")
     p.add_argument("--out", default=None, help="write curves and settings as JSON here")
     p.add_argument("--quick", action="store_true", help=f"smoke-test size: {QUICK}")
@@ -132,8 +141,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         p.error(f"need --sft-steps >= 1, --rl-steps >= 1, 1 <= --window <= --rl-steps; got {sizes}")
     if a.threads < 1:
         p.error(f"--threads must be >= 1, got {a.threads}")
-    return Settings(sizes["sft_steps"], sizes["rl_steps"], variants, sizes["window"], a.target, a.seed,
-                    a.sft_cache, a.out, a.threads)
+    try:
+        seeds = tuple(int(x) for x in a.seeds.split(",") if x.strip())
+    except ValueError:
+        p.error(f"--seeds must be comma-separated integers, got {a.seeds!r}")
+    return Settings(sizes["sft_steps"], sizes["rl_steps"], variants, sizes["window"], a.target,
+                    seeds[0] if seeds else a.seed, a.sft_cache, a.out, a.threads, seeds)
 
 
 def grpo_config(s: Settings, variant: str) -> ExperimentConfig:
@@ -286,11 +299,21 @@ def report(s: Settings, machine: MachineInfo, tether: Sequence[Curve], trl: Curv
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    s = parse_args(argv)
-    set_threads(s.threads)  # TRL and `sync`; `sync_1t` and the async variants set their own
+def mean_curve(curves: Sequence[Curve]) -> Curve:
+    """One system's runs over several seeds as one curve: per step the mean reward and the mean
+    wall-clock at its end (every run has the same number of steps)."""
+    def mean(rows: Sequence[Sequence[float]]) -> list[float]:
+        return [statistics.fmean(column) for column in zip(*rows, strict=True)]
+
+    return Curve(curves[0].name, mean([c.rewards for c in curves]), mean([c.ends_s for c in curves]),
+                 statistics.fmean(c.total_s for c in curves), statistics.fmean(c.startup_s for c in curves),
+                 mean([c.completion_tokens for c in curves]))
+
+
+def compare(s: Settings) -> tuple[MachineInfo, list[Curve], Curve]:
+    """One seed's comparison: warm start, every tether variant, then TRL."""
     machine = machine_info()
-    print(f"machine: {machine.describe()}", flush=True)
+    print(f"machine: {machine.describe()}; seed {s.seed}", flush=True)
     with tempfile.TemporaryDirectory(prefix="tether-trl-reward-") as tmp:
         root = Path(tmp)
         start = time.perf_counter()
@@ -302,10 +325,34 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"tether {variant}: {tether[-1].total_s:.1f}s", flush=True)
         trl = run_trl(s, checkpoint, root)
         print(f"trl: {trl.total_s:.1f}s", flush=True)
-    print(report(s, machine, tether, trl), flush=True)
+    return machine, tether, trl
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    s = parse_args(argv)
+    set_threads(s.threads)  # TRL and `sync`; `sync_1t` and the async variants set their own
+    runs = []
+    for seed in s.seeds or (s.seed,):
+        seeded = dataclasses.replace(s, seed=seed)
+        machine, tether, trl = compare(seeded)
+        print(f"\n### seed {seed}\n", flush=True)
+        print(report(seeded, machine, tether, trl), flush=True)
+        runs.append({"seed": seed, "machine": machine, "curves": [*tether, trl]})
+    means = None
+    if len(runs) > 1:
+        means = [mean_curve([run["curves"][i] for run in runs]) for i in range(len(runs[0]["curves"]))]
+        print(f"\n### mean curves over seeds {', '.join(str(run['seed']) for run in runs)}\n", flush=True)
+        print(report(s, runs[0]["machine"], means[:-1], means[-1]), flush=True)
     if s.out:
-        Path(s.out).write_text(json.dumps({"machine": asdict(machine), "settings": asdict(s),
-                                           "curves": [asdict(c) for c in [*tether, trl]]}, indent=1))
+        def encode(run: dict[str, Any]) -> dict[str, Any]:
+            return {"seed": run["seed"], "machine": asdict(run["machine"]),
+                    "curves": [asdict(c) for c in run["curves"]]}
+
+        # "machine" and "curves": the first seed's run, as a single-seed run has always written them.
+        payload = {**encode(runs[0]), "settings": asdict(s), "runs": [encode(run) for run in runs]}
+        if means is not None:
+            payload["mean_curves"] = [asdict(c) for c in means]
+        Path(s.out).write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":

@@ -70,3 +70,14 @@ def test_target_is_a_fraction_of_the_lowest_best_smoothed_reward(monkeypatch: py
     settings = bench.Settings(rl_steps=3, window=2)
     assert bench.target_reward(settings, [fast, slow]) == pytest.approx(0.95 * 0.4)
     assert bench.target_reward(bench.Settings(window=2, target=0.5), [fast, slow]) == 0.5
+
+
+def test_mean_curve_averages_rewards_and_clocks_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _bench_module(monkeypatch)
+    a = bench.Curve("s2", [0.0, 1.0], [1.0, 2.0], 3.0, 0.5, [2.0, 4.0])
+    b = bench.Curve("s2", [0.5, 0.5], [3.0, 6.0], 7.0, 1.5, [4.0, 4.0])
+    mean = bench.mean_curve([a, b])
+    assert (mean.name, mean.rewards, mean.ends_s) == ("s2", [0.25, 0.75], [2.0, 4.0])
+    assert (mean.total_s, mean.startup_s, mean.completion_tokens) == (5.0, 1.0, [3.0, 4.0])
+    with pytest.raises(ValueError):  # runs of different lengths are not one system's seeds
+        bench.mean_curve([a, bench.Curve("s2", [0.0], [1.0], 1.0, 0.0, [1.0])])
