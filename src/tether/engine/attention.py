@@ -93,9 +93,10 @@ def build_step_metadata(
         slots.extend(_slots(span, block_size))
     decode_rows = [i for i, span in enumerate(spans) if span.num_new == 1]
     prefill_rows = [i for i, span in enumerate(spans) if span.num_new > 1]
-    decode_groups = _split_by_length(decode_rows, spans, _MAX_SPLITS)
     if decode_kv_rows is not None:
         decode_groups = [decode_kv_rows] if decode_kv_rows else []
+    else:
+        decode_groups = _split_by_length(decode_rows, spans, _MAX_SPLITS)
     groups = [
         _build_group(
             [spans[i] for i in rows], [offsets[i] for i in rows], block_size, sliding_window, dtype, device
