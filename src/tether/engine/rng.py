@@ -1,11 +1,16 @@
 """Each sample's random stream: counter-based, so a draw is a pure function of (seed, draw index).
 
-The j-th uniform of a sample seeded ``s`` is SplitMix64's j-th output for state ``s`` (Steele,
-Lea and Flood 2014, "Fast Splittable Pseudorandom Number Generators"): ``mix(s + (j + 1) * gamma)``
-with gamma the odd golden-ratio constant, its top 24 bits scaled into [0, 1) -- a float32 that is
-exact and never 1.0, as ``torch.rand`` draws. The whole state of a sample's stream is two integers
-(``SampleRNG``), and a step draws for all its rows in a handful of vectorised integer operations
-instead of one ``torch.rand`` call per row (which was ~1 ms of a 256-row step on these CPUs).
+The j-th uniform of a sample seeded ``s`` is SplitMix64's j-th output (Steele, Lea and Flood 2014,
+"Fast Splittable Pseudorandom Number Generators") from the state ``mix(s ^ c)``:
+``mix(mix(s ^ c) + (j + 1) * gamma)``, gamma the odd golden-ratio constant, its top 24 bits scaled
+into [0, 1) -- a float32 that is exact and never 1.0, as ``torch.rand`` draws. The seed is mixed
+into the state, not used as it: seeds that differ by a multiple of gamma (``sample_seed`` and
+``SamplingParams.for_request`` derive seeds with that very constant) would otherwise give one stream
+shifted by a draw, sample j of one request replaying sample j of the next.
+
+The whole state of a sample's stream is two integers (``SampleRNG``), and a step draws for all its
+rows in a handful of vectorised integer operations instead of one ``torch.rand`` call per row
+(which was ~1 ms of a 256-row step on these CPUs).
 
 Same seed, same draws, whatever else shares the step: a row's uniforms depend only on its own
 seed and how many it drew before.
@@ -22,6 +27,7 @@ import torch
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX_2 = np.uint64(0x94D049BB133111EB)
+_SEED_SALT = np.uint64(0x243F6A8885A308D3)  # c: pi's fraction, so seed 0 is no fixed point of mix
 _FLOAT_BITS = 24  # float32's significand: every value k / 2**24 is exact
 _SEED_MASK = (1 << 64) - 1
 
@@ -34,14 +40,18 @@ class SampleRNG:
     num_draws: int = 0
 
 
-def counter_uniforms(seeds: np.ndarray, counters: np.ndarray) -> torch.Tensor:
-    """uint64 arrays of one shape -> float32 uniforms in [0, 1) of that shape: draw ``counters`` of
-    the streams ``seeds`` (any shape; arrays, so that wrapping multiplication never warns)."""
-    z = seeds + (counters + np.uint64(1)) * _GAMMA  # wraps mod 2**64, as SplitMix64 does
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function (Stafford's Mix13) on uint64 arrays (wrapping, never warning)."""
     z = (z ^ (z >> np.uint64(30))) * _MIX_1
     z = (z ^ (z >> np.uint64(27))) * _MIX_2
-    z ^= z >> np.uint64(31)
-    top = (z >> np.uint64(64 - _FLOAT_BITS)).astype(np.float32)  # < 2**24: exact in float32
+    return z ^ (z >> np.uint64(31))
+
+
+def counter_uniforms(seeds: np.ndarray, counters: np.ndarray) -> torch.Tensor:
+    """uint64 arrays (broadcasting) -> float32 uniforms in [0, 1): draw ``counters`` of the streams
+    ``seeds``."""
+    z = _mix(seeds ^ _SEED_SALT) + (counters + np.uint64(1)) * _GAMMA  # wraps mod 2**64, as SplitMix64
+    top = (_mix(z) >> np.uint64(64 - _FLOAT_BITS)).astype(np.float32)  # < 2**24: exact in float32
     return torch.from_numpy(top * np.float32(1.0 / (1 << _FLOAT_BITS)))
 
 
