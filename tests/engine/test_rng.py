@@ -8,19 +8,17 @@ from tether.engine.types import SamplingParams
 MASK = (1 << 64) - 1
 
 
-def splitmix64(state: int) -> tuple[int, int]:
-    """Reference SplitMix64 (Steele et al. 2014) on Python ints: (next state, output)."""
-    state = (state + 0x9E3779B97F4A7C15) & MASK
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
-    return state, z ^ (z >> 31)
-
-
 def mix(z: int) -> int:
+    """SplitMix64's output function on Python ints (the reference the numpy version must match)."""
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
     return z ^ (z >> 31)
+
+
+def splitmix64(state: int) -> tuple[int, int]:
+    """Reference SplitMix64 (Steele et al. 2014) on Python ints: (next state, output)."""
+    state = (state + 0x9E3779B97F4A7C15) & MASK
+    return state, mix(state)
 
 
 def test_draws_are_splitmix64_outputs_from_the_mixed_seed_scaled_to_24_bits():

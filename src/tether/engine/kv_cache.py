@@ -65,8 +65,7 @@ class KVCache:
             return
         src = torch.tensor([s for s, _ in copies], device=self.k.device)
         dst = torch.tensor([d for _, d in copies], device=self.k.device)
-        for pool in (self.k, self.v):
-            copy_rows(pool, src, dst)
+        copy_rows((self.k, self.v), src, dst)
 
 
 def _layer_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -76,14 +75,15 @@ def _layer_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (layer_start + index[None, :]).view(-1)  # [L * n], layer-major
 
 
-def copy_rows(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``pool[:, dst] = pool[:, src]`` for a contiguous ``[L, N, ...]`` tensor (distinct ``dst``).
+def copy_rows(pools: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``pool[:, dst] = pool[:, src]`` for contiguous ``[L, N, ...]`` tensors of one shape (distinct ``dst``).
 
     Through the ``[L * N, row]`` view: one ``index_select`` and one ``index_put_`` over whole rows.
     Advanced indexing on dim 1 copied element by element (twice as slow for a GRPO batch's forks)."""
-    flat = pool.view(pool.shape[0] * pool.shape[1], -1)
-    rows = flat.index_select(0, _layer_rows(pool, src))
-    flat.index_put_((_layer_rows(pool, dst),), rows)
+    src_rows, dst_rows = _layer_rows(pools[0], src), _layer_rows(pools[0], dst)
+    for pool in pools:
+        flat = pool.view(pool.shape[0] * pool.shape[1], -1)
+        flat.index_put_((dst_rows,), flat.index_select(0, src_rows))
 
 
 class DecodeKV:
@@ -182,8 +182,7 @@ class DecodeKV:
         if moves:
             src = torch.tensor([s for s, _ in moves], device=self.k.device)
             dst = torch.tensor([d for _, d in moves], device=self.k.device)
-            for mirror in (self.k, self.v):
-                copy_rows(mirror, src, dst)
+            copy_rows((self.k, self.v), src, dst)
 
     def _fill(self, fills: list[tuple[SeqSpan, int]], pool: KVCache, block_size: int) -> None:
         """Copy each new row's computed context ``[0, start)`` out of the pool, all layers at once."""
@@ -196,10 +195,11 @@ class DecodeKV:
         ids = torch.tensor(tables, dtype=torch.long, device=self.k.device).view(-1)  # [n * Nb]
         width = num_blocks * block_size
         runs = _slot_runs([slot for _, slot in fills])
+        rows = _layer_rows(pool.k, ids)  # [L * n * Nb] into the pool viewed [L * NB, ...]
         for mirror, source in ((self.k, pool.k), (self.v, pool.v)):
             num_layers = source.shape[0]
             flat = source.view(num_layers * source.shape[1], *source.shape[2:])  # [L * NB, bs, Hkv, D]
-            gathered = flat.index_select(0, _layer_rows(source, ids))  # [L * n * Nb, bs, Hkv, D]
+            gathered = flat.index_select(0, rows)  # [L * n * Nb, bs, Hkv, D]
             gathered = gathered.view(num_layers, len(fills), width, *source.shape[3:]).transpose(2, 3)
             for first, start, length in runs:  # [L, n, Hkv, width, D] into slots in consecutive runs
                 mirror[:, first : first + length, :, :width].copy_(gathered[:, start : start + length])
