@@ -157,15 +157,16 @@ class SharedPrefixAttention:
         return lanes
 
     def _make_buckets(self) -> list[_SuffixBucket]:
-        buckets, current = [], []
+        buckets: list[_SuffixBucket] = []
+        current: list[_Lane] = []
+        max_queries = max_prefix = 0  # of ``current``, kept as lanes join (not rescanned per lane)
         for lane in self._make_lanes():
-            candidate = current + [lane]
-            num_queries = max(x.num_queries for x in candidate)
-            num_keys = max(self.prefix_lens[x.prefix] for x in candidate) + num_queries
-            if current and len(candidate) * num_queries * num_keys > SUFFIX_BUCKET_ELEMENTS:
+            queries, prefix = max(max_queries, lane.num_queries), max(max_prefix, self.prefix_lens[lane.prefix])
+            if current and (len(current) + 1) * queries * (prefix + queries) > SUFFIX_BUCKET_ELEMENTS:
                 buckets.append(self._bucket(current))
-                candidate = [lane]
-            current = candidate
+                current, queries, prefix = [], lane.num_queries, self.prefix_lens[lane.prefix]
+            current.append(lane)
+            max_queries, max_prefix = queries, prefix
         if current:
             buckets.append(self._bucket(current))
         return buckets
