@@ -61,11 +61,8 @@ class KVCache:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply copy-on-write block copies, all layers at once."""
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.k.device)
-        dst = torch.tensor([d for _, d in copies], device=self.k.device)
-        copy_rows((self.k, self.v), src, dst)
+        if copies:
+            copy_rows((self.k, self.v), copies)
 
 
 def _layer_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -75,11 +72,15 @@ def _layer_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (layer_start + index[None, :]).view(-1)  # [L * n], layer-major
 
 
-def copy_rows(pools: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``pool[:, dst] = pool[:, src]`` for contiguous ``[L, N, ...]`` tensors of one shape (distinct ``dst``).
+def copy_rows(pools: tuple[torch.Tensor, ...], pairs: list[tuple[int, int]]) -> None:
+    """``pool[:, dst] = pool[:, src]`` for each ``(src, dst)`` of ``pairs`` (distinct ``dst``), in
+    contiguous ``[L, N, ...]`` tensors of one shape.
 
     Through the ``[L * N, row]`` view: one ``index_select`` and one ``index_put_`` over whole rows.
     Advanced indexing on dim 1 copied element by element (twice as slow for a GRPO batch's forks)."""
+    device = pools[0].device
+    src = torch.tensor([s for s, _ in pairs], device=device)
+    dst = torch.tensor([d for _, d in pairs], device=device)
     src_rows, dst_rows = _layer_rows(pools[0], src), _layer_rows(pools[0], dst)
     for pool in pools:
         flat = pool.view(pool.shape[0] * pool.shape[1], -1)
@@ -180,9 +181,7 @@ class DecodeKV:
 
     def _move(self, moves: list[tuple[int, int]]) -> None:
         if moves:
-            src = torch.tensor([s for s, _ in moves], device=self.k.device)
-            dst = torch.tensor([d for _, d in moves], device=self.k.device)
-            copy_rows((self.k, self.v), src, dst)
+            copy_rows((self.k, self.v), moves)
 
     def _fill(self, fills: list[tuple[SeqSpan, int]], pool: KVCache, block_size: int) -> None:
         """Copy each new row's computed context ``[0, start)`` out of the pool, all layers at once."""
