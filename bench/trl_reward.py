@@ -60,7 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from async_rl import VARIANTS, timed_grpo, warm_start  # noqa: E402
+from async_rl import VARIANTS, start_generator_server, timed_grpo, warm_start  # noqa: E402
 from common import MachineInfo, machine_info, set_threads  # noqa: E402
 from grpo_step import TaskReward  # noqa: E402
 from tether.builders import build_model_and_tokenizer, build_prompt_data  # noqa: E402
@@ -314,6 +314,7 @@ def compare(s: Settings) -> tuple[MachineInfo, list[Curve], Curve]:
     """One seed's comparison: warm start, every tether variant, then TRL."""
     machine = machine_info()
     print(f"machine: {machine.describe()}; seed {s.seed}", flush=True)
+    start_generator_server(list(s.variants))  # after the matmul measurement, which it would slow
     with tempfile.TemporaryDirectory(prefix="tether-trl-reward-") as tmp:
         root = Path(tmp)
         start = time.perf_counter()

@@ -23,7 +23,7 @@ from tether.builders import build_generator, build_model_and_tokenizer, build_pr
 from tether.config import ExperimentConfig, load_config
 from tether.data.tokenize import tokenize_prompt
 from tether.evaluation import AccuracyResult, evaluate_accuracy
-from tether.recipes.grpo import run_grpo
+from tether.recipes.grpo import run_grpo, start_generator_process_server
 from tether.recipes.sft import run_sft
 from tether.runs import create_run_dir
 
@@ -66,6 +66,7 @@ def run_demo(quick: bool = False, out: str | None = None, seed: int = 0, mode: s
     """Runs the demo, prints progress and the result; returns the accuracy gain in points."""
     start = time.perf_counter()
     sft_config, grpo_config = demo_configs(quick, seed, mode)
+    start_generator_process_server(grpo_config)  # imports while the SFT stage runs
     root = Path(out) if out else create_run_dir(load_config(None, ["name=demo"]))
     model, tokenizer = build_model_and_tokenizer(sft_config.model, None, seed)
     num_params = sum(p.numel() for p in model.parameters())

@@ -1,9 +1,12 @@
-"""Generator and trainer in separate processes (spawn): the few slow tests of the rollout package."""
+"""Generator and trainer in separate processes: the few slow tests of the rollout package."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -117,6 +120,13 @@ def test_close_stops_a_generator_that_ran_ahead_without_killing_it(tiny_policy):
     assert transport._process.exitcode == 0  # exited by itself, not terminated (-15)
 
 
+def _after_delay(seconds: float, make_worker):
+    """A worker factory that takes at least ``seconds``: a process forked from a warm process
+    server can be ready before the trainer's first poll, and this test needs groups from both sides."""
+    time.sleep(seconds)
+    return make_worker()
+
+
 @pytest.mark.slow
 def test_the_trainer_generates_until_the_process_is_ready_then_hands_the_stream_over(tiny_policy):
     """On-policy (S = 0) across the switch: every group's tokens come from the weights of its
@@ -125,7 +135,8 @@ def test_the_trainer_generates_until_the_process_is_ready_then_hands_the_stream_
     model, tokenizer = tiny_policy
     config = tiny_config("rollout.mode=async", "rollout.max_staleness=0", "rollout.max_new_tokens=4")
     policy = copy.deepcopy(model)
-    remote = ProcessTransport(functools.partial(build_generator_worker, config, copy.deepcopy(model), tokenizer),
+    make_worker = functools.partial(build_generator_worker, config, copy.deepcopy(model), tokenizer)
+    remote = ProcessTransport(functools.partial(_after_delay, 2.0, make_worker),
                               SharedWeights(policy.named_parameters()), num_threads=1, wait_for_handover=True)
     transport = HandoverTransport(build_generator_worker(config, policy, tokenizer), remote)
     num_groups, version, seen, batch = config.rollout.prompts_per_step, 0, [], []
@@ -175,3 +186,35 @@ def test_close_does_not_wait_for_a_process_still_starting(tiny_policy):
     transport.close()
     assert time.monotonic() - start < 5  # terminated at once (waiting it out took 10 s, then SIGTERM)
     assert transport._process.exitcode == -15
+
+
+PROBE = """
+import os
+from tether.rollout.local_backend import process_context, start_process_server
+
+def report(results):
+    import marker  # already imported in the server: the module's code ran there, not here
+    results.put((marker.IMPORTED_BY, os.getpid()))
+
+if __name__ == "__main__":
+    assert start_process_server(["marker"])
+    context = process_context()
+    results = context.Queue()
+    child = context.Process(target=report, args=(results,))
+    child.start()
+    imported_by, child_pid = results.get(timeout=120)
+    child.join()
+    print(imported_by != child_pid and imported_by != os.getpid())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="no forkserver: generator processes are spawned")
+def test_generator_processes_fork_from_a_server_that_imported_their_modules_once(tmp_path):
+    """What keeps a generator's start-up to a fork: its modules' code ran once, in the process
+    server (a fresh process, so the server is this test's own and its preload list applies)."""
+    (tmp_path / "marker.py").write_text("import os\nIMPORTED_BY = os.getpid()\n")
+    (tmp_path / "probe.py").write_text(textwrap.dedent(PROBE))
+    out = subprocess.run([sys.executable, "probe.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"

@@ -19,6 +19,10 @@ def _recipes() -> dict[str, Callable[[ExperimentConfig, Path], Any]]:
 
 def run_train(config_path: str, overrides: list[str], out: str | None = None) -> Any:
     config = load_config(config_path, overrides)
+    if config.recipe == "grpo":
+        from tether.recipes.grpo import start_generator_process_server
+
+        start_generator_process_server(config)  # boots while the model and data are built
     run_dir = create_run_dir(config, out)
     print(f"run directory: {run_dir}", flush=True)
     result = _recipes()[config.recipe](config, run_dir)

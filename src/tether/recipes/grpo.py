@@ -41,6 +41,7 @@ from tether.rollout.local_backend import (
     HandoverTransport,
     InProcessTransport,
     ProcessTransport,
+    start_process_server,
 )
 from tether.rollout.sync_loop import LoopState, RLComponents, rl_step
 from tether.rollout.weights import SharedWeights
@@ -119,7 +120,7 @@ def build_components(config: ExperimentConfig, model: Any, tokenizer: Any) -> RL
 
 
 def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any) -> GeneratorWorker:
-    """The generator role from config (module-level and picklable: a spawned process calls it)."""
+    """The generator role from config (module-level and picklable: the generator process calls it)."""
     data = build_prompt_data(config.data, config.seed)
     r = config.rollout
     settings = GeneratorSettings(
@@ -132,6 +133,24 @@ def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any)
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True), settings)
 
 
+def generator_process_modules(tokenizer: Any = None) -> list[str]:
+    """What a generator process imports to unpickle and build its worker: this recipe (and through it
+    the engine, rewards and data) and the tokenizer's class (the character tokenizer's if None)."""
+    if tokenizer is None:
+        from transformers import PreTrainedTokenizerFast
+
+        return [__name__, PreTrainedTokenizerFast.__module__]
+    return [__name__, type(tokenizer).__module__]
+
+
+def start_generator_process_server(config: ExperimentConfig, tokenizer: Any = None) -> None:
+    """For an asynchronous run, start the server its generator process forks from
+    (``tether.rollout.local_backend.start_process_server``) now, so that its imports overlap the
+    caller's own set-up (model, data, an SFT stage) instead of delaying the generator's start."""
+    if config.rollout.mode == "async":
+        start_process_server(generator_process_modules(tokenizer))
+
+
 def thread_split(config: ExperimentConfig) -> tuple[int, int]:
     """(trainer threads, generator threads) for async mode: 0 means half of the cores each."""
     half = max(1, (os.cpu_count() or 2) // 2)
@@ -142,6 +161,7 @@ def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any)
     r = config.rollout
     transport: GeneratorTransport
     if r.mode == "async":
+        start_generator_process_server(config, tokenizer)  # a no-op when the caller started it sooner
         weights = SharedWeights(model.named_parameters(), int(r.weight_bucket_mb * (1 << 20)))
         make_worker = functools.partial(build_generator_worker, config, copy.deepcopy(model), tokenizer)
         remote = ProcessTransport(make_worker, weights, num_threads=thread_split(config)[1],

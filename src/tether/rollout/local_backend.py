@@ -4,27 +4,37 @@ Two backends with one interface (``GeneratorTransport``), both thin: every decis
 ``GeneratorWorker`` and the trainer-side driver, never here.
 
 * ``InProcessTransport`` steps the worker in the caller's thread (tests, sync mode, debugging);
-* ``ProcessTransport`` runs the worker in its own process (``torch.multiprocessing``, spawn) with
-  its own CPU threads: finished groups and control messages travel through queues, weights
-  through ``SharedWeights`` buckets. A Ray backend will implement the same four calls.
-* ``HandoverTransport`` bridges the generator process's start-up (seconds: a fresh interpreter
-  imports torch and transformers, then builds its engine): until the process reports ready, a
+* ``ProcessTransport`` runs the worker in its own process (``torch.multiprocessing``) with its own
+  CPU threads: finished groups and control messages travel through queues, weights through
+  ``SharedWeights`` buckets. A Ray backend will implement the same four calls.
+* ``HandoverTransport`` bridges the generator process's start-up: until the process reports ready, a
   worker in the trainer's process generates, stepped between training steps like
   ``InProcessTransport``; then that worker drains (finishes its groups in flight, starts none) and
   its state (prompt cursor, re-issue queue, capacity count, counters) goes to the process together
   with the current weights, so the prompt stream continues where it stopped: no prompt is skipped
   or generated twice, and the staleness bound holds across the switch.
+
+Process start-up. A spawned interpreter pays its imports (torch ~2.5 s, transformers ~1 s to unpickle
+a tokenizer on a small machine) before it builds its engine. Where the platform has it (Linux,
+macOS), generator processes are forked from a *process server* instead (multiprocessing's
+forkserver): a fresh interpreter that imports the generator's modules once
+(``start_process_server``) and forks a child per generator, which starts with them already
+imported. It never ran torch ops, so no OpenMP pool is forked half-alive. Callers that know an
+asynchronous run is coming start the server early (``tether train``, ``tether demo``, the
+benchmarks), so its imports overlap their own set-up; ``ProcessTransport`` starts it on demand
+otherwise. Elsewhere the context is spawn, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.forkserver
 import os
 import queue
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +44,45 @@ from tether.data.records import PromptRecord
 from tether.rollout.buffer import GroupRollout
 from tether.rollout.generator_worker import GeneratorCounters, GeneratorWorker
 from tether.rollout.weights import SharedWeights
+
+# What a generator process needs imported (``GeneratorWorker`` and this module's loop); the recipe
+# that builds the worker adds its own modules (``start_process_server``).
+BASE_PRELOAD = ("tether.rollout.local_backend",)
+
+
+def process_context() -> Any:
+    """The multiprocessing context generator processes start in: forkserver where available, else spawn."""
+    return mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+
+
+_server_preload: tuple[str, ...] | None = None  # what the process server imports, once set
+
+
+def start_process_server(preload: Sequence[str] = (), wait: bool = False) -> bool:
+    """Start the process server that generator processes fork from, importing ``BASE_PRELOAD`` and
+    ``preload`` (module names; one that fails to import is skipped, and a child that needs it
+    imports it itself). Returns at once: the server imports in the background, and the first fork
+    waits for it; ``wait``: return once it has imported (by forking a process that does nothing).
+    The first call fixes the modules for the life of this process; later calls only make sure the
+    server runs. False where the platform has no forkserver (processes are spawned).
+    """
+    global _server_preload
+    context = process_context()
+    if context.get_start_method() != "forkserver":
+        return False
+    if _server_preload is None:
+        _server_preload = (*BASE_PRELOAD, *preload)
+        context.set_forkserver_preload(list(_server_preload))
+    multiprocessing.forkserver.ensure_running()
+    if wait:
+        probe = context.Process(target=_do_nothing, name="tether-server-probe")
+        probe.start()  # forked once the server has imported
+        probe.join()
+    return True
+
+
+def _do_nothing() -> None:
+    pass
 
 
 class GeneratorCrashedError(RuntimeError):
@@ -163,8 +212,10 @@ class ProcessTransport:
                  num_threads: int = 0, wait_for_handover: bool = False) -> None:
         """``make_worker`` must be picklable (a module-level function or a ``functools.partial`` of one):
         it runs in the new process and builds the engine there. ``wait_for_handover``: the process
-        reports ready (``is_ready``) and idles until ``hand_over``."""
-        ctx = mp.get_context("spawn")
+        reports ready (``is_ready``) and idles until ``hand_over``. Forked from the process server
+        where there is one (started here with ``BASE_PRELOAD`` if no caller started it sooner)."""
+        start_process_server()
+        ctx = process_context()
         self.weights = weights
         self.counters = GeneratorCounters()
         self._control = ctx.Queue()
