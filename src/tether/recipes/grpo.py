@@ -136,11 +136,10 @@ def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any)
 def generator_process_modules(tokenizer: Any = None) -> list[str]:
     """What a generator process imports to unpickle and build its worker: this recipe (and through it
     the engine, rewards and data) and the tokenizer's class (the character tokenizer's if None)."""
-    if tokenizer is None:
-        from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-        return [__name__, PreTrainedTokenizerFast.__module__]
-    return [__name__, type(tokenizer).__module__]
+    tokenizer_class = PreTrainedTokenizerFast if tokenizer is None else type(tokenizer)
+    return [__name__, tokenizer_class.__module__]
 
 
 def start_generator_process_server(config: ExperimentConfig, tokenizer: Any = None) -> None:

@@ -55,7 +55,7 @@ def process_context() -> Any:
     return mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
 
 
-_server_preload: tuple[str, ...] | None = None  # what the process server imports, once set
+_is_preload_set = False  # the process server's modules are fixed by the first start
 
 
 def start_process_server(preload: Sequence[str] = (), wait: bool = False) -> bool:
@@ -66,13 +66,13 @@ def start_process_server(preload: Sequence[str] = (), wait: bool = False) -> boo
     The first call fixes the modules for the life of this process; later calls only make sure the
     server runs. False where the platform has no forkserver (processes are spawned).
     """
-    global _server_preload
+    global _is_preload_set
     context = process_context()
     if context.get_start_method() != "forkserver":
         return False
-    if _server_preload is None:
-        _server_preload = (*BASE_PRELOAD, *preload)
-        context.set_forkserver_preload(list(_server_preload))
+    if not _is_preload_set:
+        context.set_forkserver_preload([*BASE_PRELOAD, *preload])
+        _is_preload_set = True
     multiprocessing.forkserver.ensure_running()
     if wait:
         probe = context.Process(target=_do_nothing, name="tether-server-probe")
