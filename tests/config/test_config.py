@@ -235,3 +235,9 @@ def test_create_run_dir_saves_config_and_refuses_an_existing_run(tmp_path):
     with pytest.raises(ConfigError, match="already holds a run") as info:
         create_run_dir(config, out=run_dir)
     assert "\n" not in str(info.value)
+
+
+def test_a_temperature_too_small_to_divide_the_logits_by_is_rejected():
+    assert config_error(overrides=["rollout.temperature=1e-9"]) == (
+        "config: rollout.temperature: must be 0 (greedy) or at least 1e-05, got 1e-09")
+    assert load_config(None, ["rollout.temperature=0"]).rollout.temperature == 0.0

@@ -233,6 +233,11 @@ def test_bad_requests_fail_alone(qwen2_path):
     )
     assert all("\n" not in e for e in errors) and completions[4].num_tokens == 4
     assert completions[0].prompt_ids == [] and completions[1].prompt_ids == [5, 6, 1000]
+    # a prompt element that is no integer: an error completion, not a raise (6.9 is not truncated)
+    odd = engine.generate([[5, None], [5, 6.9, 7], [5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert [c.finish_reason for c in odd] == ["error", "error", "length"]
+    assert "position 1 is None" in odd[0].error and "position 1 is 6.9" in odd[1].error
+    assert odd[2].token_ids == completions[4].token_ids and not engine.has_unfinished()
     small = make_engine(qwen2_path, num_kv_blocks=2, block_size=4)
     too_big = small.generate([[5, 6, 7], [5]], SamplingParams(temperature=0.0, max_new_tokens=20))
     assert too_big[0].finish_reason == "error" and "KV blocks" in too_big[0].error
@@ -314,3 +319,52 @@ def test_an_engine_built_in_inference_mode_leaves_the_model_trainable(qwen2_path
     loss = model.compute_logits(model(torch.tensor([PROMPTS[0]]))).logsumexp(-1).mean()
     loss.backward()  # raised "Inference tensors cannot be saved for backward" before the fix
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_a_temperature_that_would_overflow_the_logits_is_refused():
+    for temperature in (float("nan"), float("inf"), 1e-39, 1e-6):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=temperature)
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5 and SamplingParams(temperature=0.0).is_greedy
+
+
+def test_a_failed_update_leaves_weights_version_and_prefix_cache_as_they_were(qwen2_path):
+    engine = make_engine(qwen2_path)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = engine.generate([PROMPTS[0]], params)[0]
+    num_cached = engine.block_manager.num_cached_blocks
+    layer = engine.model.model.layers[0].self_attn.v_proj.weight
+    saved = layer.detach().clone()
+    update = [("model.layers.0.self_attn.v_proj.weight", torch.zeros_like(layer)),
+              ("model.norm.weight", torch.ones(3))]  # the second is bad: nothing may land
+    with pytest.raises(CheckpointError, match="model.norm.weight has shape"):
+        engine.update_weights(update, version=1)
+    assert torch.equal(layer, saved) and engine.policy_version == 0
+    assert engine.block_manager.num_cached_blocks == num_cached
+    again = engine.generate([PROMPTS[0]], params)[0]
+    assert again.token_ids == before.token_ids and again.versions == [0] * 6
+
+
+def test_non_finite_logits_fail_their_sequences_and_a_good_update_recovers(qwen2_path):
+    """Weights gone NaN (a diverged run) fail the sequences they produce logits for, one line each,
+    instead of raising out of the step; the next update recomputes everything on a zeroed pool."""
+    engine = make_engine(qwen2_path, num_kv_blocks=4)  # every block is reused, NaN KV or not
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=6, seed=5, n=2)
+    reference = engine.generate(PROMPTS[:2], params)
+    good = [(name, p.detach().clone()) for name, p in engine.model.named_parameters()]
+    norm = engine.model.model.norm.weight
+    engine.update_weights([("model.norm.weight", torch.full_like(norm, float("nan")))], version=1)
+    failed = engine.generate(PROMPTS[:2], params) + engine.generate(PROMPTS[1:2], sampled)
+    assert [c.finish_reason for c in failed] == ["error"] * 4
+    assert all("not finite" in c.error and "\n" not in c.error and c.num_tokens == 0 for c in failed)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
+    layers = engine.model.model.layers
+    layers[0].mlp.up_proj.weight.data.fill_(float("nan"))  # NaN KV in the pool from here on
+    in_flight = engine.add_request(PROMPTS[2][:10], params)  # its KV fills 3 of the 4 blocks
+    first = engine.step()  # its prompt's KV is NaN in every layer past the first, its token fails
+    assert [(c.request_id, c.finish_reason) for c in first] == [(in_flight, "error")]
+    engine.update_weights(good, version=2)
+    recovered = engine.generate(PROMPTS[:2], params)
+    assert [c.token_ids for c in recovered] == [c.token_ids for c in reference]
+    assert all(c.versions == [2] * 6 for c in recovered) and not engine.has_unfinished()

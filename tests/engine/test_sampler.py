@@ -5,7 +5,7 @@ import torch
 
 from tether.algorithms.logprobs import process_logits
 from tether.engine.rng import SampleRNG
-from tether.engine.sampler import Sampler, finish_reason
+from tether.engine.sampler import Sampler, finish_reason, inverse_cdf
 from tether.engine.sequence import Sequence
 from tether.engine.types import SamplingParams
 
@@ -123,3 +123,15 @@ def test_large_vocab_samples_only_surviving_tokens_at_the_right_rates():
     tokens = torch.tensor(result.token_ids)
     assert set(tokens.tolist()) == {3, 700}
     assert (tokens == 700).float().mean().item() == pytest.approx(0.7, abs=0.03)
+
+
+def test_a_nan_row_samples_an_id_inside_the_vocabulary_and_reports_a_nan_logprob():
+    """A vocabulary that is no multiple of the CDF chunk is padded; a NaN row must not pick a pad id
+    (the gather of its log-prob would raise for the whole step), and its NaN log-prob lets the engine
+    fail that row alone."""
+    logits = torch.randn(3, 100)
+    logits[1] = float("nan")
+    assert inverse_cdf(torch.full((2, 100), float("nan")), torch.tensor([0.5, 0.99])).max().item() <= 99
+    result = Sampler().sample(logits, [SamplingParams(temperature=1.0)] * 3, [SampleRNG(s) for s in range(3)])
+    assert all(0 <= t < 100 for t in result.token_ids)
+    assert math.isnan(result.logprobs[1]) and math.isfinite(result.logprobs[0]) and math.isfinite(result.logprobs[2])

@@ -12,6 +12,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tether.algorithms import ADVANTAGES, AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
+from tether.engine.types import MIN_TEMPERATURE
 
 
 def _types_in(annotation: object) -> set[object]:
@@ -120,7 +121,7 @@ class RolloutSection(Section):
     group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group, G).")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step.")
     max_new_tokens: int = Field(32, ge=1, description="Longest completion.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy; else at least 1e-5).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
     mode: Literal["sync", "async"] = Field("sync", description="Synchronous (on-policy) or "
@@ -145,6 +146,13 @@ class RolloutSection(Section):
                                        "weights over.")
     weight_bucket_mb: float = Field(32.0, gt=0, description="Size of one shared-memory bucket when "
                                     "shipping weights to the generator process (async mode).")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_not_tiny(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:  # logits / temperature would overflow fp32
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return value
 
 
 class EngineSection(Section):

@@ -20,6 +20,8 @@ simply overwritten later: ``num_computed_tokens`` only counts the accepted ones.
 
 from __future__ import annotations
 
+import math
+import operator
 import random
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceLike
@@ -102,6 +104,7 @@ class LLMEngine:
         self._next_request_id = 0
         self._next_seq_id = 0
         self._seed_rng = random.Random(config.seed)  # seeds for requests without their own
+        self._has_nonfinite_logits = False  # a step saw NaN/inf logits: the next update clears the KV
 
     # ------------------------------------------------------------------ requests
 
@@ -114,9 +117,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         request_id = self._next_request_id
         self._next_request_id += 1
-        prompt = [int(t) for t in prompt_ids]
+        prompt, error = _token_ids(prompt_ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        error = self._check_request(prompt, params)
+        error = error or self._check_request(prompt, params)
         if error is not None:
             message = f"request {request_id}: {error}"
             self._done.extend(
@@ -143,6 +146,12 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 seq.finish("abort")
                 self._done.append(seq.to_completion(request_id))
+
+    def oldest_token_version(self, request_id: int) -> int | None:
+        """The policy version of the oldest token any sample of an unfinished request has sampled so
+        far (None: none yet, or no such request)."""
+        versions = [seq.versions[0] for seq in self._requests.get(request_id, ()) if seq.versions]
+        return min(versions, default=None)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._done)
@@ -272,6 +281,11 @@ class LLMEngine:
     def _emit(self, seq: Sequence, token_ids: list[int], logprobs: list[float]) -> int:
         """Append tokens until one finishes ``seq`` (stop token/string, length); returns how many."""
         for num_emitted, (token_id, logprob) in enumerate(zip(token_ids, logprobs), start=1):
+            if not math.isfinite(logprob):  # NaN/inf logits (diverged weights): fail this sequence only
+                self._has_nonfinite_logits = True
+                seq.finish("error", f"request {seq.request_id}: the model's logits are not finite (NaN or "
+                           f"inf) at generated token {seq.num_output_tokens}")
+                return num_emitted - 1
             seq.append_token(token_id, logprob, self.policy_version)
             self.stats.num_generated_tokens += 1
             reason = finish_reason(seq, self.max_model_len, self.tokenizer)
@@ -321,7 +335,13 @@ class LLMEngine:
         self.runner.load_weights(named_tensors)
         self.policy_version = version
         self.block_manager.flush_prefix_cache()
-        if self.config.recompute_kv_on_update:
+        if self._has_nonfinite_logits:
+            # KV computed under weights that gave NaN/inf is garbage: recompute everything in flight
+            # from a zeroed pool (padded reads multiply stale slots by zero, and NaN * 0 is NaN).
+            self._has_nonfinite_logits = False
+            self.stats.num_preemptions += self.scheduler.preempt_all()
+            self.runner.zero_kv()
+        elif self.config.recompute_kv_on_update:
             self.stats.num_preemptions += self.scheduler.preempt_all()
         else:
             for seq in self.scheduler.running:
@@ -373,6 +393,18 @@ class LLMEngine:
         seqs = self._requests.get(request_id)
         if seqs is not None and all(seq.is_finished for seq in seqs):
             del self._requests[request_id]
+
+
+def _token_ids(prompt_ids: SequenceLike[int]) -> tuple[list[int], str | None]:
+    """The prompt as a list of ints, or why it is not one (a float or None among the ids: no
+    silent truncation of 6.9 to 6)."""
+    prompt = []
+    for position, token in enumerate(prompt_ids):
+        try:
+            prompt.append(operator.index(token))
+        except TypeError:
+            return [], f"the token at position {position} is {token!r}, not an integer token id"
+    return prompt, None
 
 
 def _max_model_len(config: EngineConfig, max_positions: int) -> int:

@@ -59,6 +59,12 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.k.shape[1]
 
+    def zero_(self) -> None:
+        """Zero every block (after non-finite KV: padded reads multiply it by zero attention weights,
+        and NaN garbage times zero is still NaN)."""
+        self.k.zero_()
+        self.v.zero_()
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply copy-on-write block copies, all layers at once."""
         if copies:
@@ -113,6 +119,12 @@ class DecodeKV:
 
     def clear(self) -> None:
         self.tables = [None] * len(self.tables)
+
+    def zero_(self) -> None:
+        """Drop every slot and zero the copies (their padding is read past a slot's length)."""
+        self.clear()
+        self.k.zero_()
+        self.v.zero_()
 
     def assign(self, spans: list[SeqSpan], pool: KVCache, block_size: int) -> list[int] | None:
         """Give each decode row of the step slot ``i``; returns the rows in slot order (None: over

@@ -117,12 +117,21 @@ class ModelRunner:
             return self.packed_lm_head(hidden, self.model.lm_head.weight)
         return self.model.compute_logits(hidden)
 
+    @torch.inference_mode()
+    def zero_kv(self) -> None:
+        """Zero the pool and the decode copies: no sequence may hold KV here afterwards."""
+        self.cache.zero_()
+        self.decode_kv.zero_()
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors into the model's parameters in place (same storage); returns how many."""
+        """Copy tensors into the model's parameters in place (same storage); returns how many.
+
+        Every name and shape is checked before anything is copied: a bad update raises and leaves
+        the weights as they were, never half old and half new."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        num_loaded = 0
-        for name, tensor in named_tensors:
+        updates = list(named_tensors)
+        for name, tensor in updates:
             param = params.get(name)
             if param is None:
                 raise CheckpointError(f"update_weights: the model has no parameter named {name!r}")
@@ -131,11 +140,11 @@ class ModelRunner:
                     f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(param.shape)}"
                 )
-            param.copy_(tensor)
-            num_loaded += 1
+        for name, tensor in updates:
+            params[name].copy_(tensor)
         if self.packed_lm_head is not None:
             self.packed_lm_head.invalidate()
-        return num_loaded
+        return len(updates)
 
 
 def use_transposed_weight_layout(model: torch.nn.Module) -> int:

@@ -143,7 +143,10 @@ def inverse_cdf_with_total(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple
         (target[:, None] - before).clamp(min=torch.finfo(probs.dtype).tiny), inner_cdf[:, -1:]
     )
     inner = torch.searchsorted(inner_cdf, residual).clamp_(max=_CDF_CHUNK - 1)  # [M, 1]
-    return (chunk * _CDF_CHUNK + inner).squeeze(-1), chunk_cdf[:, -1]
+    # A NaN row (non-finite logits) searches past its real tokens into the padding: keep the id in
+    # the vocabulary; its NaN total and log-prob tell the engine to fail that row alone.
+    token_ids = (chunk * _CDF_CHUNK + inner).squeeze(-1).clamp_(max=vocab_size - 1)
+    return token_ids, chunk_cdf[:, -1]
 
 
 def finish_reason(seq: Sequence, max_model_len: int, tokenizer: Detokenizer | None) -> FinishReason | None:

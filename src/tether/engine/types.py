@@ -12,6 +12,7 @@ decoding (temperature 0) reports the log-prob under the unprocessed softmax (tem
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
@@ -19,6 +20,10 @@ from typing import Literal, Protocol
 import torch
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+# The smallest positive temperature: below it ``logits / temperature`` overflows fp32 for ordinary
+# logits (inf, then NaN probabilities). 0 is greedy.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +39,12 @@ class SamplingParams:
     n: int = 1  # samples per prompt (a GRPO group); they share the prompt's KV
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature:g}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p < 1.0:
