@@ -62,6 +62,39 @@ def test_without_partial_rollouts_updates_wait_for_groups_in_flight(tiny_policy)
     assert worker.engine.policy_version == 1 and worker.in_flight
 
 
+def test_an_update_that_arrives_after_the_drain_supersedes_the_pending_one(tiny_policy):
+    """Partial rollouts off: v1 waits for the groups in flight; they finish, then v2 arrives before
+    the next step and lands at once. v1 must not land after it (weights would go back a version)."""
+    worker = make_worker(tiny_policy, "rollout.max_staleness=1", "rollout.partial_rollouts=false")
+    for _ in range(3):
+        worker.step()
+    worker.load_weights(perturbed(worker), version=1)  # deferred
+    run_until_groups(worker)
+    v2 = [(n, p.detach() + 0.02) for n, p in worker.engine.model.named_parameters()]
+    worker.load_weights(v2, version=2)
+    worker.step()
+    assert worker.engine.policy_version == worker.version == 2
+    assert all(torch.equal(p, dict(v2)[n]) for n, p in worker.engine.model.named_parameters())
+    groups = run_until_groups(worker)
+    assert groups and all(set(c.versions) == {2} for g in groups for c in g.completions)
+
+
+def test_a_group_is_aborted_by_its_oldest_token_not_by_when_it_was_admitted(tiny_policy):
+    """Groups admitted at v0 but queued behind the engine's sequence limit sample nothing under v0:
+    at v1 with S = 0 they are kept (their tokens will all be v1); the ones that sampled are aborted."""
+    worker = make_worker(tiny_policy, "rollout.max_staleness=0", "rollout.partial_rollouts=true",
+                         "engine.max_num_seqs=4")
+    worker.step()  # 3 groups of 4 admitted under v0; only the first runs
+    sampled = [rid for rid in worker.in_flight if worker.engine.oldest_token_version(rid) is not None]
+    queued = [rid for rid in worker.in_flight if rid not in sampled]
+    assert sampled and queued
+    worker.load_weights(perturbed(worker), version=1)
+    assert worker.counters.num_aborted == len(sampled) and sorted(worker.in_flight) == sorted(queued)
+    groups = run_until_groups(worker)
+    kept = [g for g in groups if g.start_version == 0]
+    assert len(kept) == len(queued) and all(set(c.versions) == {1} for g in kept for c in g.completions)
+
+
 def test_groups_that_can_never_be_trained_on_are_aborted_and_reissued(tiny_policy):
     worker = make_worker(tiny_policy, "rollout.max_staleness=0", "rollout.partial_rollouts=true")
     for _ in range(2):

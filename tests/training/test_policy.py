@@ -137,3 +137,65 @@ def test_decoupled_ppo_behaviour_weight_under_each_correction(model_dir, correct
     batch.behaviour_logprobs = batch.behaviour_logprobs - torch.where(batch.mask, torch.tensor(1.35).log(), 0.0)
     grads = _decoupled_grads(model, batch, correction, cap=1.2 if correction == "tis_token" else 2.0)
     torch.testing.assert_close(grads, expected_weight * reference, rtol=1e-3, atol=1e-6)
+
+
+def _train(model, batch, **settings):
+    model = copy.deepcopy(model)
+    optimizer = build_optimizer(model.parameters(), lr=1e-3)
+    scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=10, schedule="constant")
+    trainer = PolicyTrainer(model, optimizer, scheduler, PolicyLossSettings(grad_clip=0.0, **settings),
+                            SamplingView(1.0))
+    metrics = trainer.train_on(batch)
+    return torch.cat([p.grad.flatten() for p in model.parameters()]), metrics
+
+
+def _noisy_behaviour(model, seed=0):
+    """A batch whose engine log-probs are off by N(0, 1) per token: masked IS drops some tokens."""
+    batch = _batch(model)
+    noise = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(seed))
+    batch.behaviour_logprobs = torch.where(batch.mask, batch.behaviour_logprobs + noise, 0.0)
+    return batch
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [10_000, 12])
+def test_masked_is_averages_the_loss_over_the_kept_tokens_of_the_whole_batch(model_dir, micro_batch_tokens):
+    """corrections.py: aggregate over ``keep_mask``. Token-mean PPO with masked IS is the mean over
+    kept tokens of -w * ratio * A, by hand, and micro-batches add up to it."""
+    model = load_model(model_dir)
+    batch = _noisy_behaviour(model)
+    grads, metrics = _train(model, batch, correction="mis_token", correction_cap=2.0,
+                            micro_batch_tokens=micro_batch_tokens)
+    reference = copy.deepcopy(model)
+    lens = batch.mask.sum(1).tolist()
+    logp, _ = completion_logprobs(reference, batch.prompt_ids,
+                                  [ids[:n] for ids, n in zip(batch.completion_ids.tolist(), lens)],
+                                  SamplingView(1.0), num_cols=batch.mask.shape[1])
+    log_ratio = torch.where(batch.mask, logp.detach() - batch.behaviour_logprobs, 0.0)
+    keep = batch.mask & (log_ratio <= torch.tensor(2.0).log())
+    assert 0 < keep.sum() < batch.mask.sum()  # the case at hand: some tokens dropped, some kept
+    advantages = batch.advantages[:, None].expand_as(logp)
+    per_token = -log_ratio.exp() * torch.exp(logp - logp.detach()) * advantages
+    (torch.where(keep, per_token, 0.0).sum() / keep.sum()).backward()
+    expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    torch.testing.assert_close(grads, expected, rtol=1e-4, atol=1e-7)
+    assert metrics["is/masked_frac"] == pytest.approx(1 - float(keep.sum() / batch.mask.sum()), abs=1e-6)
+
+
+@pytest.mark.parametrize("correction", ["tis_token", "mis_token"])
+def test_is_metrics_of_a_batch_do_not_depend_on_its_micro_batches(model_dir, correction):
+    """ESS and kept-token means are ratios of batch sums: computed once over the batch, not averaged."""
+    model = load_model(model_dir)
+    batch = _noisy_behaviour(model)
+    _, whole = _train(model, batch, correction=correction, micro_batch_tokens=10_000)
+    _, split = _train(model, batch, correction=correction, micro_batch_tokens=12)
+    for key in ("is/mean", "is/ess", "is/clip_frac", "is/masked_frac", "mismatch/k1", "mismatch/k3"):
+        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("proximal", ["recompute", "loglinear", "bypass"])
+def test_mismatch_is_measured_against_the_pre_update_weights_over_several_epochs(model_dir, proximal):
+    """Engine and trainer share the weights: every proximal mode reports no mismatch, even after
+    the batch's later epochs have moved the weights."""
+    model = load_model(model_dir)
+    _, metrics = _train(model, _batch(model), proximal=proximal, epochs_per_batch=3, policy_loss="decoupled_ppo")
+    assert metrics["mismatch/k3"] < 1e-6 and metrics["mismatch/abs_logp_diff"] < 1e-4

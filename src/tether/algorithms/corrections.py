@@ -20,7 +20,9 @@ Weights ``None`` mean "no reweighting of my own": the policy loss keeps its defa
 Shapes: ``logp_old``, ``logp_behav``: FloatTensor[B, T]; ``mask``: BoolTensor[B, T] ->
 ``Correction(weights [B, T] or None, keep_mask [B, T])``. Ratios are formed in log space; weights
 are 0 wherever ``keep_mask`` is False, and ``keep_mask`` is always within ``mask``. Apply both: pass
-``weights`` to the policy loss (``is_weights=``) and aggregate over ``keep_mask``.
+``weights`` to the policy loss (``is_weights=``) and aggregate over ``keep_mask`` (corrections that
+can drop tokens are marked ``drops_tokens``: the trainer then builds the keep mask for the whole
+batch first, so micro-batches still add up to the one-batch loss).
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ class CorrectionFn(Protocol):
         cap: float = 2.0,
         lo: float | None = None,
     ) -> Correction: ...
+
+
+def drops_tokens(fn: CorrectionFn) -> CorrectionFn:
+    """Marks a correction whose keep mask may drop valid tokens. The loss then averages over the
+    kept tokens of the whole batch, so the trainer forms the keep mask batch-wide before any
+    backward (one no-grad scoring pass when the proximal log-probs are not at hand)."""
+    fn.drops_tokens = True  # type: ignore[attr-defined]
+    return fn
 
 
 def _token_log_ratio(logp_old: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -117,6 +127,7 @@ def tis_seq(
 
 
 @CORRECTIONS.register("mis_token")
+@drops_tokens
 def mis_token(
     logp_old: torch.Tensor,
     logp_behav: torch.Tensor,
@@ -136,6 +147,7 @@ def mis_token(
 
 
 @CORRECTIONS.register("mis_seq")
+@drops_tokens
 def mis_seq(
     logp_old: torch.Tensor,
     logp_behav: torch.Tensor,
@@ -152,6 +164,7 @@ def mis_seq(
 
 
 @CORRECTIONS.register("geo_mask")
+@drops_tokens
 def geo_mask(
     logp_old: torch.Tensor,
     logp_behav: torch.Tensor,

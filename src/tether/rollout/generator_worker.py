@@ -11,7 +11,9 @@ Weight updates and sequences in flight (``partial_rollouts``):
 * off: the worker stops admitting, lets the groups in flight finish under the old weights, then
   applies the update (no token is wasted, and every sample is single-version).
 Either way, a group in flight that can no longer be trained within the staleness bound (its
-oldest token older than ``new_version - S``) is aborted at once and its prompt re-issued.
+oldest token older than ``new_version - S``) is aborted at once and its prompt re-issued; a group
+that has sampled nothing yet is kept (its tokens will carry the new version). A newer update
+supersedes one still pending: weights never go back to an older version.
 """
 
 from __future__ import annotations
@@ -62,14 +64,14 @@ class InFlightGroup:
     start_version: int
     completions: list[Completion] = field(default_factory=list)
 
-    @property
-    def oldest_version(self) -> int:
-        """A lower bound of its oldest token's version: tokens are sampled at or after admission.
-
-        (Admission and the group's first engine step fall in the same ``step()``, so the bound is
-        tight unless the engine's sequence limit keeps the group waiting.)
-        """
-        return self.start_version
+    def oldest_version(self, engine: LLMEngine, request_id: int) -> int | None:
+        """The version of its oldest sampled token (finished samples and those in flight); None
+        while it has sampled nothing (e.g. queued behind the engine's sequence limit)."""
+        versions = [c.versions[0] for c in self.completions if c.versions]
+        in_engine = engine.oldest_token_version(request_id)
+        if in_engine is not None:
+            versions.append(in_engine)
+        return min(versions, default=None)
 
 
 class GeneratorWorker:
@@ -103,12 +105,13 @@ class GeneratorWorker:
         self._pending_weights = ([(name, t.detach().clone()) for name, t in named_tensors], version)
 
     def _apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self._pending_weights = None  # superseded: applying it later would roll the weights back
         self.engine.update_weights(named_tensors, version)
         if version != self.version:  # a hand-over re-sends the version its state already counted
             self.counters.num_weight_updates += 1
         self.version = version
-        doomed = [rid for rid, g in self.in_flight.items()
-                  if version - g.oldest_version > self.settings.max_staleness]
+        oldest = {rid: g.oldest_version(self.engine, rid) for rid, g in self.in_flight.items()}
+        doomed = [rid for rid, v in oldest.items() if v is not None and version - v > self.settings.max_staleness]
         if doomed:
             self.engine.abort(doomed)  # their "abort" completions are ignored: the ids are forgotten
             groups = [self.in_flight.pop(rid) for rid in doomed]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tether.algorithms.corrections import Correction
 from tether.algorithms.mismatch import mismatch_metrics
 from tether.algorithms.policy_loss import approx_proximal_logprobs
 from tether.algorithms.registry import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES
@@ -81,15 +82,16 @@ class ProximalMode:
     """How the proximal log-probs ``logp_old`` [b, T] of decoupled PPO are obtained."""
 
     logprobs: Callable[..., torch.Tensor]  # (logp, logp_old_all, logp_behav, versions, version, epoch)
-    # logp_old are the trainer's own pre-update weights: they need a scoring pass when epochs > 1,
-    # and they are what the engine/trainer mismatch is measured against.
+    # logp_old are the trainer's own pre-update weights: they need a scoring pass when epochs > 1.
     is_pre_update: bool
+    # logp_old are formed from the current log-probs (so a batch-wide value needs a scoring pass).
+    reads_current: bool
 
 
 PROXIMAL_MODES = {  # ``algorithm.proximal``
-    "recompute": ProximalMode(_proximal_recompute, is_pre_update=True),
-    "loglinear": ProximalMode(_proximal_loglinear, is_pre_update=False),
-    "bypass": ProximalMode(_proximal_bypass, is_pre_update=False),
+    "recompute": ProximalMode(_proximal_recompute, is_pre_update=True, reads_current=False),
+    "loglinear": ProximalMode(_proximal_loglinear, is_pre_update=False, reads_current=True),
+    "bypass": ProximalMode(_proximal_bypass, is_pre_update=False, reads_current=False),
 }
 
 
@@ -142,22 +144,30 @@ class PolicyTrainer:
         s = self.settings
         chunks = self._micro_batches(batch)
         mask = batch.mask
-        weights = aggregation_weights(self.aggregate, mask)  # [B, T]
+        # A correction that drops tokens (masked IS) changes what the loss averages over: the
+        # aggregation then runs over the batch's kept tokens, so the keep mask is needed for the
+        # whole batch before the first micro-batch's backward (``_batch_correction``).
+        is_masking = bool(getattr(self.correct, "drops_tokens", False))
         logp_ref = self._score_all(self.ref_model, batch, chunks) if s.kl_coef > 0 else None
         # The proximal policy: pre-update weights. One epoch never changes them before the loss is
         # built, so the current log-probs (detached) are exact and the extra forward is skipped.
-        is_rescored = s.epochs_per_batch > 1 and self.proximal.is_pre_update
+        is_rescored = (s.epochs_per_batch > 1 or is_masking) and self.proximal.is_pre_update
         logp_old = self._score_all(self.model, batch, chunks) if is_rescored else None
         version = int(batch.versions.max()) if policy_version is None else policy_version
         totals: dict[str, float] = {}
+        mismatch: dict[str, float] = {}
         for epoch in range(s.epochs_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
-            epoch_stats = [self._accumulate(batch, rows, weights, logp_old, logp_ref, version, epoch)
-                           for rows in chunks]
+            correction = self._batch_correction(batch, chunks, logp_old, version, epoch) if is_masking else None
+            weights = aggregation_weights(self.aggregate, mask if correction is None else correction.keep_mask)
+            parts = [self._accumulate(batch, rows, weights, logp_old, logp_ref, version, epoch, correction)
+                     for rows in chunks]
+            if epoch == 0:  # the batch as sampled, against the trainer's pre-update weights
+                mismatch = self._mismatch(batch, chunks, [inputs for _, inputs in parts])
             grad_norm = clip_and_norm(self.model.parameters(), s.grad_clip)
             self.optimizer.step()
             self.num_optimizer_steps += 1
-            totals = _merge(epoch_stats)
+            totals = {**_merge([stats for stats, _ in parts]), **mismatch}
             totals["grad_norm"] = grad_norm
         self.scheduler.step()
         totals["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -166,9 +176,24 @@ class PolicyTrainer:
         totals["throughput/train_tokens_per_s"] = num_tokens * s.epochs_per_batch / totals["time/train_s"]
         return totals
 
+    def _batch_correction(self, batch: RolloutBatch, chunks: list[list[int]], logp_old_all: torch.Tensor | None,
+                          version: int, epoch: int) -> Correction:
+        """The correction over the whole batch [B, T] (weights, keep mask), before any backward.
+
+        The proximal log-probs come from ``logp_old_all`` (recompute: pre-update weights), the
+        behaviour log-probs (bypass), or a no-grad pass of the current weights (loglinear), which
+        equals what this epoch's micro-batches compute with grad."""
+        current = self._score_all(self.model, batch, chunks) if self.proximal.reads_current else None
+        logp_behav = batch.behaviour_logprobs
+        logp_old = self.proximal.logprobs(
+            logp_behav if current is None else current, logp_old_all, logp_behav, batch.versions, version, epoch)
+        return self.correct(logp_old, logp_behav, batch.mask, cap=self.settings.correction_cap)
+
     def _accumulate(self, batch: RolloutBatch, rows: list[int], weights: torch.Tensor,
                     logp_old_all: torch.Tensor | None, logp_ref_all: torch.Tensor | None,
-                    version: int = 0, epoch: int = 0) -> dict[str, float]:
+                    version: int = 0, epoch: int = 0, batch_correction: Correction | None = None,
+                    ) -> tuple[dict[str, float], tuple[torch.Tensor, ...]]:
+        """Forward and backward of one micro-batch; its stats and what the mismatch metrics need."""
         s = self.settings
         index = torch.tensor(rows)
         mask = batch.mask[index]  # [b, T]
@@ -176,8 +201,13 @@ class PolicyTrainer:
         logp_behav = batch.behaviour_logprobs[index]
         logp_old = self.proximal.logprobs(logp, None if logp_old_all is None else logp_old_all[index], logp_behav,
                                  batch.versions[index], version, epoch)
-        correction = self.correct(logp_old, logp_behav, mask, cap=s.correction_cap)
-        is_weights, keep = correction.weights, correction.keep_mask
+        if batch_correction is None:
+            correction = self.correct(logp_old, logp_behav, mask, cap=s.correction_cap)
+            is_weights, keep = correction.weights, correction.keep_mask
+        else:
+            weights_all = batch_correction.weights
+            is_weights = None if weights_all is None else weights_all[index]
+            keep = batch_correction.keep_mask[index]
         advantages = batch.advantages[index].unsqueeze(-1).expand_as(logp)  # [b, T]
         loss_tokens, stats = self.policy_loss(
             logp, logp_old, advantages, keep, logp_behav=logp_behav, clip_low=s.clip_low,
@@ -190,20 +220,36 @@ class PolicyTrainer:
         (w * loss_tokens).sum().backward()
         loss_tokens, kl_tokens = loss_tokens.detach(), kl_tokens.detach()
         num_tokens = float(mask.sum())
-        # Mismatch is trainer vs engine: the pre-update trainer weights, whatever the proximal mode.
+        # Mismatch is trainer vs engine: the pre-update trainer weights, whatever the proximal mode
+        # (``_mismatch`` reads epoch 0's, when the current weights are the pre-update ones).
         logp_trainer = logp_old if self.proximal.is_pre_update else logp
-        # No correction weights: is/* describe the raw ratio pi_old / pi_behav (the weight decoupled
-        # PPO applies; plain PPO applies none) and nothing counts as truncated.
-        out = mismatch_metrics(logp_trainer, logp_behav, mask, is_weights=is_weights, keep_mask=keep,
-                               cap=s.correction_cap if is_weights is not None else None)
-        out.update({
+        inputs = (logp_trainer.detach(), is_weights, keep)
+        out = {
             "loss/policy": float((w * loss_tokens).sum() - s.kl_coef * (w * kl_tokens).sum()),
             "kl/ref": float(kl_tokens.sum()) / max(num_tokens, 1.0),
             "entropy": float(torch.where(mask, entropy, 0.0).sum()) / max(num_tokens, 1.0),
             "ppo/clip_frac": float(stats.clip_frac), "ppo/approx_kl": float(stats.approx_kl),
             "ppo/ratio_mean": float(stats.ratio_mean),
-        })
-        return {"_tokens": num_tokens, **out}
+        }
+        return {"_tokens": num_tokens, **out}, inputs
+
+    def _mismatch(self, batch: RolloutBatch, chunks: list[list[int]],
+                  inputs: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]) -> dict[str, float]:
+        """``mismatch/*`` and ``is/*`` over the whole batch at once: ESS and the kept-token means are
+        ratios of batch sums, which no average of micro-batch values reproduces."""
+        logp_trainer = torch.zeros_like(batch.behaviour_logprobs)  # [B, T]
+        keep = torch.zeros_like(batch.mask)
+        has_weights = inputs[0][1] is not None
+        is_weights = torch.zeros_like(batch.behaviour_logprobs) if has_weights else None
+        for rows, (logp, weights, kept) in zip(chunks, inputs):
+            index = torch.tensor(rows)
+            logp_trainer[index], keep[index] = logp.to(logp_trainer.dtype), kept
+            if is_weights is not None and weights is not None:
+                is_weights[index] = weights.to(is_weights.dtype)
+        # No correction weights: is/* describe the raw ratio pi_old / pi_behav (the weight decoupled
+        # PPO applies; plain PPO applies none) and nothing counts as truncated.
+        return mismatch_metrics(logp_trainer, batch.behaviour_logprobs, batch.mask, is_weights=is_weights,
+                                keep_mask=keep, cap=self.settings.correction_cap if has_weights else None)
 
 
 def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
