@@ -13,7 +13,13 @@ from tether.engine.types import SamplingParams
 from tether.models.checkpoint import load_model
 from tether.rollout.sync_loop import build_rollout_batch
 from tether.training.optim import build_optimizer, build_scheduler
-from tether.training.policy import PolicyLossSettings, PolicyTrainer, aggregation_weights
+from tether.training.policy import (
+    PROXIMAL_MODES,
+    PolicyLossSettings,
+    PolicyTrainer,
+    ProximalMode,
+    aggregation_weights,
+)
 from tether.training.scoring import SamplingView, completion_logprobs
 
 
@@ -199,3 +205,27 @@ def test_mismatch_is_measured_against_the_pre_update_weights_over_several_epochs
     model = load_model(model_dir)
     _, metrics = _train(model, _batch(model), proximal=proximal, epochs_per_batch=3, policy_loss="decoupled_ppo")
     assert metrics["mismatch/k3"] < 1e-6 and metrics["mismatch/abs_logp_diff"] < 1e-4
+
+
+def test_loglinear_measures_the_epochs_of_a_batch_in_policy_versions(model_dir):
+    """Versions count batches; with E optimizer steps per batch the weights at epoch e are e / E of
+    a version past the proximal ones (not e versions), so alpha = dv / (dv + e / E)."""
+    model = copy.deepcopy(load_model(model_dir))
+    optimizer = build_optimizer(model.parameters(), lr=1e-3)
+    scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=10, schedule="constant")
+    trainer = PolicyTrainer(model, optimizer, scheduler,
+                            PolicyLossSettings(proximal="loglinear", epochs_per_batch=4, policy_loss="decoupled_ppo"),
+                            SamplingView(1.0))
+    seen = []
+    loglinear = PROXIMAL_MODES["loglinear"]
+
+    def spy(logp, logp_old_all, logp_behav, versions, version, progress):
+        seen.append(progress)
+        return loglinear.logprobs(logp, logp_old_all, logp_behav, versions, version, progress)
+
+    trainer.proximal = ProximalMode(spy, is_pre_update=False, reads_current=True)
+    trainer.train_on(_batch(model), policy_version=3)
+    assert sorted(set(seen)) == [0.0, 0.25, 0.5, 0.75]
+    behav, current = torch.zeros(1, 1), torch.ones(1, 1)
+    out = loglinear.logprobs(current, None, behav, torch.tensor([[1]]), 3, 0.5)  # dv = 2
+    assert out.item() == pytest.approx(2 / 2.5)

@@ -60,19 +60,22 @@ def aggregation_weights(agg_fn, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _proximal_recompute(logp: torch.Tensor, logp_old_all: torch.Tensor | None, logp_behav: torch.Tensor,
-                        versions: torch.Tensor, version: int, epoch: int) -> torch.Tensor:
+                        versions: torch.Tensor, version: int, progress: float) -> torch.Tensor:
     """Pre-update weights: exact. With one epoch they ARE the current weights (logp detached, free)."""
     return logp.detach() if logp_old_all is None else logp_old_all
 
 
 def _proximal_loglinear(logp: torch.Tensor, logp_old_all: torch.Tensor | None, logp_behav: torch.Tensor,
-                        versions: torch.Tensor, version: int, epoch: int) -> torch.Tensor:
-    """AReaL's log-linear interpolation between behaviour and current (epoch e = version + e); no forward."""
-    return approx_proximal_logprobs(logp_behav, logp, versions, version, version + epoch)
+                        versions: torch.Tensor, version: int, progress: float) -> torch.Tensor:
+    """AReaL's log-linear interpolation between behaviour and current; no forward.
+
+    Versions count published policies (one per batch); the current weights sit ``progress`` =
+    epoch / epochs_per_batch of a version past the proximal ones, in the same unit."""
+    return approx_proximal_logprobs(logp_behav, logp, versions, version, version + progress)
 
 
 def _proximal_bypass(logp: torch.Tensor, logp_old_all: torch.Tensor | None, logp_behav: torch.Tensor,
-                     versions: torch.Tensor, version: int, epoch: int) -> torch.Tensor:
+                     versions: torch.Tensor, version: int, progress: float) -> torch.Tensor:
     """The behaviour log-probs themselves: decoupled PPO becomes plain PPO over behaviour log-probs."""
     return logp_behav
 
@@ -81,7 +84,7 @@ def _proximal_bypass(logp: torch.Tensor, logp_old_all: torch.Tensor | None, logp
 class ProximalMode:
     """How the proximal log-probs ``logp_old`` [b, T] of decoupled PPO are obtained."""
 
-    logprobs: Callable[..., torch.Tensor]  # (logp, logp_old_all, logp_behav, versions, version, epoch)
+    logprobs: Callable[..., torch.Tensor]  # (logp, logp_old_all, logp_behav, versions, version, progress)
     # logp_old are the trainer's own pre-update weights: they need a scoring pass when epochs > 1.
     is_pre_update: bool
     # logp_old are formed from the current log-probs (so a batch-wide value needs a scoring pass).
@@ -186,7 +189,8 @@ class PolicyTrainer:
         current = self._score_all(self.model, batch, chunks) if self.proximal.reads_current else None
         logp_behav = batch.behaviour_logprobs
         logp_old = self.proximal.logprobs(
-            logp_behav if current is None else current, logp_old_all, logp_behav, batch.versions, version, epoch)
+            logp_behav if current is None else current, logp_old_all, logp_behav, batch.versions, version,
+            epoch / self.settings.epochs_per_batch)
         return self.correct(logp_old, logp_behav, batch.mask, cap=self.settings.correction_cap)
 
     def _accumulate(self, batch: RolloutBatch, rows: list[int], weights: torch.Tensor,
@@ -200,7 +204,7 @@ class PolicyTrainer:
         logp, entropy = self._logprobs(self.model, batch, rows)  # [b, T] with grad
         logp_behav = batch.behaviour_logprobs[index]
         logp_old = self.proximal.logprobs(logp, None if logp_old_all is None else logp_old_all[index], logp_behav,
-                                 batch.versions[index], version, epoch)
+                                 batch.versions[index], version, epoch / s.epochs_per_batch)
         if batch_correction is None:
             correction = self.correct(logp_old, logp_behav, mask, cap=s.correction_cap)
             is_weights, keep = correction.weights, correction.keep_mask
