@@ -159,10 +159,13 @@ class PolicyTrainer:
         version = int(batch.versions.max()) if policy_version is None else policy_version
         totals: dict[str, float] = {}
         mismatch: dict[str, float] = {}
+        weights = None if is_masking else aggregation_weights(self.aggregate, mask)  # [B, T], fixed
         for epoch in range(s.epochs_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
-            correction = self._batch_correction(batch, chunks, logp_old, version, epoch) if is_masking else None
-            weights = aggregation_weights(self.aggregate, mask if correction is None else correction.keep_mask)
+            correction = None
+            if is_masking:  # the kept tokens move with the proximal log-probs: weights per epoch
+                correction = self._batch_correction(batch, chunks, logp_old, version, epoch)
+                weights = aggregation_weights(self.aggregate, correction.keep_mask)
             parts = [self._accumulate(batch, rows, weights, logp_old, logp_ref, version, epoch, correction)
                      for rows in chunks]
             if epoch == 0:  # the batch as sampled, against the trainer's pre-update weights
@@ -243,17 +246,17 @@ class PolicyTrainer:
         ratios of batch sums, which no average of micro-batch values reproduces."""
         logp_trainer = torch.zeros_like(batch.behaviour_logprobs)  # [B, T]
         keep = torch.zeros_like(batch.mask)
-        has_weights = inputs[0][1] is not None
-        is_weights = torch.zeros_like(batch.behaviour_logprobs) if has_weights else None
+        # One correction for the batch: its weights are None in every micro-batch or in none.
+        is_weights = None if inputs[0][1] is None else torch.zeros_like(batch.behaviour_logprobs)
         for rows, (logp, weights, kept) in zip(chunks, inputs):
             index = torch.tensor(rows)
             logp_trainer[index], keep[index] = logp.to(logp_trainer.dtype), kept
-            if is_weights is not None and weights is not None:
+            if is_weights is not None:
                 is_weights[index] = weights.to(is_weights.dtype)
         # No correction weights: is/* describe the raw ratio pi_old / pi_behav (the weight decoupled
         # PPO applies; plain PPO applies none) and nothing counts as truncated.
         return mismatch_metrics(logp_trainer, batch.behaviour_logprobs, batch.mask, is_weights=is_weights,
-                                keep_mask=keep, cap=self.settings.correction_cap if has_weights else None)
+                                keep_mask=keep, cap=None if is_weights is None else self.settings.correction_cap)
 
 
 def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
