@@ -78,6 +78,8 @@ VARIANTS: dict[str, list[str]] = {
     "s2_noboot": [*ASYNC, "rollout.max_staleness=2", "rollout.generate_during_boot=false"],
     "s4_ppo_behav": [*ASYNC, "rollout.max_staleness=4", "algorithm.policy_loss=ppo_clip",
                      "algorithm.proximal=bypass"],
+    # Decoupled PPO with its behaviour weight pi_prox / pi_behav truncated at the cap (2.0).
+    "s4_tis": [*ASYNC, "rollout.max_staleness=4", "algorithm.correction=tis_token"],
     # Oversubscribed: the trainer takes both cores, the generator's one thread time-slices with it
     # (run with OMP_WAIT_POLICY=PASSIVE so idle OpenMP threads sleep instead of spinning).
     "s1_t2": ["rollout.mode=async", "rollout.generator_threads=1", "trainer.num_threads=2",
