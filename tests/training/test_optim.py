@@ -15,11 +15,13 @@ def _params() -> list[torch.nn.Parameter]:
             torch.nn.Parameter(torch.randn(48, 16))]
 
 
-def _train(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int) -> None:
+def _train(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int,
+           one_sign: bool = False) -> None:
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=g) * 1e-2
+            grad = torch.randn(p.shape, generator=g) * 1e-2
+            p.grad = (grad.abs() if one_sign else grad).to(p.dtype)
         optimizer.step()
 
 
@@ -44,6 +46,39 @@ def test_optimizer_state_resumes_into_a_fresh_optimizer() -> None:
         for x, y in zip(a, b):
             y.copy_(x)
     opt_b = build_optimizer(b, lr=1e-3, weight_decay=0.1)
+    opt_b.load_state_dict(state)
+    _train(opt_a, a, 5)
+    _train(opt_b, b, 5)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _bf16(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params]
+
+
+def test_bf16_parameters_follow_the_fp32_trajectory_through_fp32_master_weights() -> None:
+    """lr 1e-4 on weights of ~1 moves each step by far less than half a bf16 ulp (2^-8 at 1): without
+    fp32 masters the weights would never move. With them, 300 steps one way move every weight by
+    several ulps, and the bf16 model is the fp32 run rounded."""
+    fp32, bf16 = _params(), _bf16(_params())
+    start = [p.detach().clone() for p in bf16]
+    _train(build_optimizer(fp32, lr=1e-4, weight_decay=0.1), fp32, 300, one_sign=True)
+    _train(build_optimizer(bf16, lr=1e-4, weight_decay=0.1), bf16, 300, one_sign=True)
+    for ours, ref, before in zip(bf16, fp32, start):
+        assert ours.dtype == torch.bfloat16
+        assert (ours != before).float().mean() > 0.9  # nearly every weight moved
+        # Two bf16 roundings apart (of the start and of the end: 2^-8 relative each), plus what the
+        # gradients' rounding to bf16 moved (< 1e-3 in total).
+        torch.testing.assert_close(ours.float(), ref.detach(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_bf16_optimizer_state_resumes_with_its_fp32_masters() -> None:
+    a, b = _bf16(_params()), _bf16(_params())
+    opt_a = build_optimizer(a, lr=1e-4)
+    _train(opt_a, a, 5)
+    state = copy.deepcopy(opt_a.state_dict())
+    opt_b = build_optimizer(b, lr=1e-4)  # built on the initial weights: the masters bring the trained ones
     opt_b.load_state_dict(state)
     _train(opt_a, a, 5)
     _train(opt_b, b, 5)

@@ -68,7 +68,9 @@ class ModelSection(Section):
     scratch: ScratchModelConfig = Field(default_factory=ScratchModelConfig,
                                         description="Shape of a model built from scratch.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype for training and generation.")
+        "float32", description="Parameter dtype for training and generation. bfloat16/float16: the "
+        "optimizer keeps fp32 master weights and steps on them (mixed precision); the model and the "
+        "engine run in this dtype.")
 
 
 class DataSection(Section):

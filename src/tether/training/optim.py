@@ -10,18 +10,91 @@ import torch
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> torch.optim.AdamW:
-    """AdamW; decay applies to matrices only (norm gains and biases are not decayed)."""
+    """AdamW; decay applies to matrices only (norm gains and biases are not decayed).
+
+    Parameters in bf16 or fp16 get fp32 master copies (``MasterWeightAdamW``): the update is
+    applied in fp32 and rounded into the model afterwards, so steps smaller than half a bf16 ulp
+    (lr 1e-6 on a weight of 0.02) accumulate instead of rounding away.
+    """
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kind = MasterWeightAdamW if any(p.dtype in LOW_PRECISION for p in params) else torch.optim.AdamW
     # Fused: one kernel per parameter for the whole update (4x faster than foreach on CPU for the
     # demo's 40 small tensors: 1.0 vs 4.1 ms). foreach where this torch has no fused kernel for the
     # parameters' device or dtype (AdamW checks that when it is built).
     try:
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        return kind(groups, lr=lr, betas=betas, eps=eps, fused=True)
     except RuntimeError:
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+        return kind(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW over fp32 master copies of low-precision parameters (mixed-precision training).
+
+    The model keeps its bf16/fp16 parameters (forward, backward and the engine's weight sync use
+    them); this optimizer holds an fp32 copy of each, steps on it with the gradient cast to fp32,
+    and copies the result back, rounded, into the model's parameter. fp32 parameters are stepped
+    directly. ``zero_grad`` clears the model's gradients; the masters are saved in
+    ``state_dict()["master_params"]`` so that a restored optimizer continues from the fp32 values.
+    """
+
+    def __init__(self, groups: list[dict], **kwargs) -> None:
+        self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (model param, fp32 master)
+        master_groups = []
+        for group in groups:
+            masters = []
+            for p in group["params"]:
+                if p.dtype in LOW_PRECISION:
+                    master = p.detach().to(torch.float32).clone()
+                    self._pairs.append((p, master))
+                    masters.append(master)
+                else:
+                    masters.append(p)
+            master_groups.append({**group, "params": masters})
+        super().__init__(master_groups, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 (torch's signature)
+        if closure is not None:
+            raise ValueError("MasterWeightAdamW.step takes no closure")
+        for param, master in self._pairs:
+            master.grad = None if param.grad is None else param.grad.to(torch.float32)
+        super().step()
+        for param, master in self._pairs:
+            param.copy_(master)
+            master.grad = None
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for param, _ in self._pairs:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["master_params"] = [master.clone() for _, master in self._pairs]
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("master_params", None)
+        super().load_state_dict(state_dict)
+        if masters is not None:
+            if len(masters) != len(self._pairs):
+                raise ValueError(f"optimizer state has {len(masters)} fp32 master weights, the model "
+                                 f"{len(self._pairs)} low-precision parameters")
+            with torch.no_grad():
+                for (param, master), saved in zip(self._pairs, masters):
+                    master.copy_(saved)
+                    param.copy_(master)
 
 
 def lr_factor(step: int, *, warmup_steps: int, max_steps: int, schedule: str,
