@@ -198,6 +198,45 @@ def test_is_metrics_of_a_batch_do_not_depend_on_its_micro_batches(model_dir, cor
         assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
 
 
+def test_ppo_metrics_under_masked_is_do_not_depend_on_micro_batches(model_dir):
+    """ppo/* are means over kept tokens: a micro-batch whose tokens were all dropped adds nothing."""
+    model = load_model(model_dir)
+    batch = _noisy_behaviour(model)
+    settings = {"correction": "geo_mask", "correction_cap": 1.2, "epochs_per_batch": 2}  # drops whole rows
+    _, whole = _train(model, batch, micro_batch_tokens=10_000, **settings)
+    _, split = _train(model, batch, micro_batch_tokens=1, **settings)  # a row per micro-batch
+    assert 0 < whole["is/masked_frac"] < 1
+    for key in ("ppo/clip_frac", "ppo/ratio_mean", "ppo/approx_kl"):
+        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+
+
+def test_dr_grpo_divides_by_the_generation_budget_not_the_batch_padding(model_dir):
+    """seq_mean_token_sum_norm with ``max_completion_len``: a row's per-token weight is 1 / (B * budget),
+    whatever length the batch happens to be padded to."""
+    model = load_model(model_dir)
+    batch = _batch(model)
+    budget = 32  # above the batch's padded length (10)
+    trainer = PolicyTrainer(model, *_optimizer_and_scheduler(model), PolicyLossSettings(
+        loss_agg="seq_mean_token_sum_norm", max_completion_len=budget), SamplingView(1.0))
+    weights = aggregation_weights(trainer.aggregate, batch.mask)
+    assert batch.mask.shape[1] < budget
+    torch.testing.assert_close(weights[batch.mask], torch.full_like(weights[batch.mask], 1 / (batch.num_seqs * budget)))
+
+
+def _optimizer_and_scheduler(model, warmup_steps=0):
+    optimizer = build_optimizer(model.parameters(), lr=1e-3)
+    return optimizer, build_scheduler(optimizer, warmup_steps=warmup_steps, max_steps=10, schedule="constant")
+
+
+def test_lr_metric_is_the_rate_the_step_used(model_dir):
+    """Warm-up over 2 steps: the first batch trains at half the peak rate, and says so."""
+    model = copy.deepcopy(load_model(model_dir))
+    optimizer, scheduler = _optimizer_and_scheduler(model, warmup_steps=2)
+    trainer = PolicyTrainer(model, optimizer, scheduler, PolicyLossSettings(), SamplingView(1.0))
+    batch = _batch(model)
+    assert [trainer.train_on(batch)["lr"] for _ in range(3)] == pytest.approx([5e-4, 1e-3, 1e-3])
+
+
 @pytest.mark.parametrize("proximal", ["recompute", "loglinear", "bypass"])
 def test_mismatch_is_measured_against_the_pre_update_weights_over_several_epochs(model_dir, proximal):
     """Engine and trainer share the weights: every proximal mode reports no mismatch, even after

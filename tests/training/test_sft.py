@@ -28,3 +28,26 @@ def test_packed_nll_equals_each_example_alone_with_a_sliding_window(tmp_path):
         expected += F.cross_entropy(logits[:-1][mask], torch.tensor(example.input_ids[1:])[mask], reduction="sum")
     assert num_targets == sum(sum(e.loss_mask) for e in examples)
     torch.testing.assert_close(nll, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_sft_recipe_trains_on_the_configured_threads_and_restores_them(tmp_path, monkeypatch):
+    """``trainer.num_threads`` applies to SFT as it does to GRPO; the caller's setting comes back."""
+    from tether.config import load_config
+    from tether.recipes.sft import run_sft
+    from tether.training.sft import SFTTrainer
+
+    seen = []
+    train_step = SFTTrainer.train_step
+    monkeypatch.setattr(SFTTrainer, "train_step",
+                        lambda self, examples: seen.append(torch.get_num_threads()) or train_step(self, examples))
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    config = load_config(None, [
+        "recipe=sft", "model.scratch.hidden_size=32", "model.scratch.intermediate_size=64",
+        "model.scratch.num_layers=1", "trainer.max_steps=2", "trainer.batch_size=4", f"trainer.num_threads={wanted}",
+        "data.num_train=8", "data.num_eval=4", "logging.progress=none"])
+    try:
+        run_sft(config, tmp_path / "run")
+        assert seen == [wanted, wanted] and torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)

@@ -88,7 +88,7 @@ def policy_settings(config: ExperimentConfig) -> PolicyLossSettings:
         clip_low=a.clip_low, clip_high=a.clip_high,
         kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, epochs_per_batch=a.epochs_per_batch,
         correction=a.correction, correction_cap=a.correction_cap, micro_batch_tokens=t.micro_batch_tokens,
-        grad_clip=t.grad_clip, share_prompts=t.share_prompts)
+        grad_clip=t.grad_clip, share_prompts=t.share_prompts, max_completion_len=config.rollout.max_new_tokens)
 
 
 def sampling_params(config: ExperimentConfig, tokenizer: Any) -> SamplingParams:

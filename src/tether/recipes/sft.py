@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tether.builders import build_model_and_tokenizer, build_sft_data, seed_everything
 from tether.config import ExperimentConfig
 from tether.data.cursor import DataCursor
@@ -41,17 +43,23 @@ def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenize
     trainer = SFTTrainer(model, optimizer, scheduler, micro_batch_tokens=t.micro_batch_tokens,
                          grad_clip=t.grad_clip)
     cursor: DataCursor[SFTExample] = DataCursor(train, seed=config.seed)
-    eval_losses = [(0, trainer.eval_loss(held_out))] if held_out else []
     progress = make_progress(config.logging.progress, t.max_steps, "sft", config.logging.log_every)
-    with MetricsWriter(run_dir, progress) as writer:
-        for step in range(1, t.max_steps + 1):
-            metrics: dict[str, Any] = trainer.train_step(cursor.take(t.batch_size))
-            metrics["epoch"] = cursor.state.epoch
-            is_eval_step = held_out and ((t.eval_every and step % t.eval_every == 0) or step == t.max_steps)
-            if is_eval_step:
-                metrics["eval/loss"] = trainer.eval_loss(held_out)
-                eval_losses.append((step, metrics["eval/loss"]))
-            writer.log(step, metrics)
+    threads_before = torch.get_num_threads()
+    if t.num_threads > 0:
+        torch.set_num_threads(t.num_threads)
+    try:
+        eval_losses = [(0, trainer.eval_loss(held_out))] if held_out else []
+        with MetricsWriter(run_dir, progress) as writer:
+            for step in range(1, t.max_steps + 1):
+                metrics: dict[str, Any] = trainer.train_step(cursor.take(t.batch_size))
+                metrics["epoch"] = cursor.state.epoch
+                is_eval_step = held_out and ((t.eval_every and step % t.eval_every == 0) or step == t.max_steps)
+                if is_eval_step:
+                    metrics["eval/loss"] = trainer.eval_loss(held_out)
+                    eval_losses.append((step, metrics["eval/loss"]))
+                writer.log(step, metrics)
+    finally:
+        torch.set_num_threads(threads_before)
     final_dir = run_dir / "final"
     save_model(model, final_dir)
     tokenizer.save_pretrained(final_dir)

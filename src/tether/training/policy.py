@@ -15,6 +15,8 @@ The engine/trainer mismatch (``mismatch/*``, ``is/*``) is measured on every batc
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +47,9 @@ class PolicyLossSettings:
     micro_batch_tokens: int = 4096
     grad_clip: float = 1.0
     share_prompts: bool = True  # a group's prompt goes through the model once per micro-batch (exact)
+    # The generation budget (``rollout.max_new_tokens``): the constant of aggregations that take a
+    # ``max_len`` (Dr. GRPO's seq_mean_token_sum_norm); None leaves it to the batch's padded length.
+    max_completion_len: int | None = None
 
 
 def aggregation_weights(agg_fn, mask: torch.Tensor) -> torch.Tensor:
@@ -109,7 +114,7 @@ class PolicyTrainer:
         self.sampling = sampling
         self.ref_model = ref_model
         self.policy_loss = POLICY_LOSSES.get(settings.policy_loss)
-        self.aggregate = AGGREGATIONS.get(settings.loss_agg)
+        self.aggregate = _with_max_len(AGGREGATIONS.get(settings.loss_agg), settings.max_completion_len)
         self.correct = CORRECTIONS.get(settings.correction)
         self.kl = KL_ESTIMATORS.get(settings.kl_estimator)
         self.proximal = PROXIMAL_MODES[settings.proximal]
@@ -175,8 +180,8 @@ class PolicyTrainer:
             self.num_optimizer_steps += 1
             totals = {**_merge([stats for stats, _ in parts]), **mismatch}
             totals["grad_norm"] = grad_norm
+        totals["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this batch's steps used
         self.scheduler.step()
-        totals["lr"] = self.optimizer.param_groups[0]["lr"]
         totals["time/train_s"] = time.perf_counter() - start
         num_tokens = float(mask.sum()) + sum(len(p) for p in batch.prompt_ids)
         totals["throughput/train_tokens_per_s"] = num_tokens * s.epochs_per_batch / totals["time/train_s"]
@@ -227,6 +232,7 @@ class PolicyTrainer:
         (w * loss_tokens).sum().backward()
         loss_tokens, kl_tokens = loss_tokens.detach(), kl_tokens.detach()
         num_tokens = float(mask.sum())
+        num_kept = float(keep.sum())  # ppo/* are means over the kept tokens (the policy loss's mask)
         # Mismatch is trainer vs engine: the pre-update trainer weights, whatever the proximal mode
         # (``_mismatch`` reads epoch 0's, when the current weights are the pre-update ones).
         logp_trainer = logp_old if self.proximal.is_pre_update else logp
@@ -238,7 +244,7 @@ class PolicyTrainer:
             "ppo/clip_frac": float(stats.clip_frac), "ppo/approx_kl": float(stats.approx_kl),
             "ppo/ratio_mean": float(stats.ratio_mean),
         }
-        return {"_tokens": num_tokens, **out}, inputs
+        return {"_tokens": num_tokens, "_kept": num_kept, **out}, inputs
 
     def _mismatch(self, batch: RolloutBatch, chunks: list[list[int]],
                   inputs: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]) -> dict[str, float]:
@@ -259,15 +265,26 @@ class PolicyTrainer:
                                 keep_mask=keep, cap=None if is_weights is None else self.settings.correction_cap)
 
 
+def _with_max_len(agg_fn: Callable[..., torch.Tensor], max_len: int | None) -> Callable[..., torch.Tensor]:
+    """The aggregation with its ``max_len`` constant bound, when it takes one and one is given."""
+    if max_len is None or "max_len" not in inspect.signature(agg_fn).parameters:
+        return agg_fn
+    return functools.partial(agg_fn, max_len=max_len)
+
+
 def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Token-weighted mean of micro-batch metrics; ``loss/policy`` adds up (weights are global)."""
-    total_tokens = sum(p["_tokens"] for p in parts) or 1.0
+    """Token-weighted mean of micro-batch metrics; ``loss/policy`` adds up (weights are global).
+
+    ``ppo/*`` are means over each micro-batch's kept tokens (a correction may drop some), so they
+    are weighted by kept tokens; the others by valid tokens."""
+    counts = {"_tokens": sum(p["_tokens"] for p in parts) or 1.0, "_kept": sum(p["_kept"] for p in parts) or 1.0}
     merged: dict[str, float] = {}
     for key in parts[0]:
-        if key == "_tokens":
+        if key in counts:
             continue
         if key == "loss/policy":
             merged[key] = sum(p[key] for p in parts)
         else:
-            merged[key] = sum(p[key] * p["_tokens"] for p in parts) / total_tokens
+            count = "_kept" if key.startswith("ppo/") else "_tokens"
+            merged[key] = sum(p[key] * p[count] for p in parts) / counts[count]
     return merged
