@@ -103,6 +103,8 @@ def test_file_that_fails_to_load(tmp_path):
     assert f"{path} failed to load: SyntaxError" in message
     path = write_module(tmp_path, "raises_bad", "raise RuntimeError('no GPU here')\n")
     assert "RuntimeError: no GPU here" in resolve_error(f"{path}:f")
+    path = write_module(tmp_path, "exits_bad", "import sys\nsys.exit(1)\n")
+    assert f"{path} failed to load: SystemExit: 1" in resolve_error(f"{path}:f")
 
 
 def test_file_without_the_function(tmp_path):
@@ -163,14 +165,25 @@ def _bad_on_second(bad_value):
     def fn(prompt, completion, **fields):
         if prompt != PROMPTS[1]:
             return 1.0
-        if isinstance(bad_value, Exception):
+        if isinstance(bad_value, BaseException):
             raise bad_value
         return bad_value
     return fn
 
 
+class _FloatRaises(float):
+    """A number-like result whose conversion fails (as a user's tensor-like type may)."""
+
+    def __float__(self):
+        raise RuntimeError("bad score object")
+
+    def __repr__(self):
+        raise RuntimeError("no repr either")
+
+
 @pytest.mark.parametrize(("bad_value", "fragment"), [
     (ValueError("cannot parse"), "ValueError: cannot parse"),
+    (SystemExit(3), "SystemExit: 3"),  # model-written code run by a code reward calls exit()
     (None, "returned None"),
     (float("nan"), "returned nan"),
     (float("inf"), "returned inf"),
@@ -191,6 +204,12 @@ def test_broken_function_is_counted_and_scores_zero(bad_value, fragment):
     assert metrics["reward/flaky/errors"] == 1.0
     assert metrics["reward/good/errors"] == 0.0
     assert metrics["reward/good/mean"] == 0.5
+
+
+def test_a_result_whose_conversion_and_repr_raise_is_counted():
+    result = score(WeightedReward("odd", _bad_on_second(_FloatRaises(1.0))))
+    assert result.num_errors == {"odd": 1}
+    assert "returned <_FloatRaises>, not a finite number" in result.first_error
 
 
 def test_every_sample_failing_is_still_not_fatal():

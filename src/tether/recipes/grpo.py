@@ -10,8 +10,10 @@ that process starts, this one generates (``rollout.generate_during_boot``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 
 from tether.algorithms.registry import ADVANTAGES
 from tether.builders import (
+    PromptData,
     build_generator,
     build_model_and_tokenizer,
     build_prompt_data,
@@ -28,8 +31,10 @@ from tether.builders import (
 )
 from tether.config import ExperimentConfig
 from tether.data.cursor import DataCursor
+from tether.data.records import PromptRecord
 from tether.data.tokenize import tokenize_prompt
 from tether.engine.types import SamplingParams
+from tether.errors import DataError
 from tether.metrics import MetricsWriter
 from tether.models.checkpoint import save_model
 from tether.progress import make_progress
@@ -108,8 +113,67 @@ def build_trainer(config: ExperimentConfig, model: Any) -> PolicyTrainer:
                          SamplingView(r.temperature, r.top_k, r.top_p), ref_model=ref_model)
 
 
-def build_components(config: ExperimentConfig, model: Any, tokenizer: Any) -> RLComponents:
+def engine_context_len(config: ExperimentConfig, model: Any) -> int:
+    """Prompt + completion tokens the rollout engine holds per sequence (``engine.max_model_len``)."""
+    if config.engine.max_model_len is not None:
+        return config.engine.max_model_len
+    return int(model.config.max_position_embeddings)
+
+
+def rl_prompt_data(config: ExperimentConfig, model: Any, tokenizer: Any) -> tuple[PromptData, list[PromptRecord]]:
+    """The run's prompts without the training prompts that leave no room for a completion (empty
+    once tokenized, or as long as the engine's context): (the data, the prompts skipped). verl's
+    ``filter_overlong_prompts`` does the same; the engine would fail each of them, every epoch."""
     data = build_prompt_data(config.data, config.seed)
+    context = engine_context_len(config, model)
+    kept: list[PromptRecord] = []
+    skipped: list[PromptRecord] = []
+    for record in data.train:
+        num_tokens = len(tokenize_prompt(record, tokenizer))
+        (kept if 0 < num_tokens < context else skipped).append(record)
+    if not kept:
+        raise DataError(f"{_train_source(config)}: none of the {len(data.train)} training prompts leaves room for "
+                        f"a completion in the engine's context of {context} tokens (engine.max_model_len)")
+    return dataclasses.replace(data, train=kept), skipped
+
+
+def _train_source(config: ExperimentConfig) -> str:
+    return f"data.task={config.data.task}" if config.data.task else f"data.train={config.data.train}"
+
+
+def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> None:
+    """Resolve the prompts and the reward functions here, in the caller's process, before any
+    generator process starts: a bad data file or reward spec is a one-line error at once, and
+    skipped prompts are reported once."""
+    data, skipped = rl_prompt_data(config, model, tokenizer)
+    build_rewards(config, data.task)
+    if skipped:
+        context = engine_context_len(config, model)
+        print(f"warning: {_train_source(config)}: skipped {len(skipped)} of {len(skipped) + len(data.train)} "
+              f"training prompts that leave no room for a completion in the engine's context of {context} "
+              f"tokens (empty, or {context} tokens or more); the first is record {skipped[0].index}",
+              file=sys.stderr)
+
+
+def _report_first_failures(state: LoopState, components: Any, reported: set[str]) -> None:
+    """One warning line, the first time each kind of failure happens (the metrics count them all)."""
+    engine_failure = state.first_failure
+    if isinstance(components, AsyncRLComponents):
+        engine_failure = components.transport.counters.first_failure
+    messages = {
+        "engine": engine_failure and f"a sample failed in the engine, its group is left out of training "
+                                     f"(rollout/num_failed counts them): {engine_failure}",
+        "reward": state.first_reward_error and f"a reward function failed, that score is 0 (reward/errors "
+                                               f"counts them): {state.first_reward_error}",
+    }
+    for kind, message in messages.items():
+        if message and kind not in reported:
+            reported.add(kind)
+            print(f"warning: {message}", file=sys.stderr)
+
+
+def build_components(config: ExperimentConfig, model: Any, tokenizer: Any) -> RLComponents:
+    data, _ = rl_prompt_data(config, model, tokenizer)
     return RLComponents(
         generator=build_generator(model, tokenizer, config.engine), trainer=build_trainer(config, model),
         rewards=build_rewards(config, data.task), prompts=DataCursor(data.train, seed=config.seed),
@@ -121,7 +185,7 @@ def build_components(config: ExperimentConfig, model: Any, tokenizer: Any) -> RL
 
 def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any) -> GeneratorWorker:
     """The generator role from config (module-level and picklable: the generator process calls it)."""
-    data = build_prompt_data(config.data, config.seed)
+    data, _ = rl_prompt_data(config, model, tokenizer)
     r = config.rollout
     settings = GeneratorSettings(
         sampling=sampling_params(config, tokenizer), groups_per_batch=r.prompts_per_step,
@@ -189,6 +253,7 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
     history: list[dict[str, Any]] = []
     progress = make_progress(config.logging.progress, config.trainer.max_steps, "grpo",
                              config.logging.log_every)
+    check_run_inputs(config, model, tokenizer)
     threads_before = torch.get_num_threads()
     if uses_async_driver(config):
         components: Any = build_async_components(config, model, tokenizer)
@@ -201,9 +266,11 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
         torch.set_num_threads(trainer_threads)
     try:
         with MetricsWriter(run_dir, progress) as writer:
+            reported: set[str] = set()
             while state.step < config.trainer.max_steps:
                 metrics, samples = step_fn(components, state)
                 writer.log(state.step, metrics)
+                _report_first_failures(state, components, reported)
                 writer.log_samples(state.step, samples[: config.logging.samples_per_step])
                 history.append(metrics)
     finally:

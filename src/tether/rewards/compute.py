@@ -90,20 +90,36 @@ def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
     fields = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
     try:
         value = fn(prompt, completion, **fields)
-    except Exception as exc:  # user code: any failure is counted, never raised
-        return 0.0, {"": 0.0}, f"{type(exc).__name__}: {exc}"
-    if isinstance(value, dict):
-        parts: dict[str, float] = {}
-        for key, item in value.items():
-            number = _as_number(item)
-            if number is None:
-                return 0.0, {"": 0.0}, f"sub-score {key!r} is not a finite number: {item!r}"
-            parts[str(key)] = number
-        return sum(parts.values()), parts, None
-    number = _as_number(value)
-    if number is None:
-        return 0.0, {"": 0.0}, f"returned {value!r}, not a finite number"
-    return number, {"": number}, None
+        if isinstance(value, dict):
+            parts: dict[str, float] = {}
+            for key, item in value.items():
+                number = _as_number(item)
+                if number is None:
+                    return 0.0, {"": 0.0}, f"sub-score {_repr(key)} is not a finite number: {_repr(item)}"
+                parts[str(key)] = number
+            return sum(parts.values()), parts, None
+        number = _as_number(value)
+        if number is None:
+            return 0.0, {"": 0.0}, f"returned {_repr(value)}, not a finite number"
+        return number, {"": number}, None
+    # User code: any failure is counted, never raised. SystemExit too: a code-execution reward runs
+    # model-written code, which may call exit(). Only KeyboardInterrupt (the user) goes through.
+    except (Exception, SystemExit) as exc:
+        return 0.0, {"": 0.0}, f"{type(exc).__name__}: {_str(exc)}"
+
+
+def _repr(value: Any) -> str:
+    try:
+        return repr(value)[:200]
+    except Exception:  # a user object whose __repr__ raises
+        return f"<{type(value).__name__}>"
+
+
+def _str(exc: BaseException) -> str:
+    try:
+        return str(exc)[:500]
+    except Exception:
+        return "<unprintable>"
 
 
 def _as_number(value: Any) -> float | None:
@@ -113,6 +129,6 @@ def _as_number(value: Any) -> float | None:
         return None
     try:
         number = float(value)
-    except (TypeError, ValueError, OverflowError):
+    except Exception:  # a user type's __float__ may raise anything
         return None
     return number if math.isfinite(number) else None

@@ -49,8 +49,8 @@ def resolve_reward(spec: str, builtins: Mapping[str, RewardFn] | None = None) ->
 def _import(module_name: str, spec: str) -> Any:
     try:
         return importlib.import_module(module_name)
-    except Exception as exc:  # the user's module may fail in any way while importing
-        raise ConfigError(f"rewards: cannot import {module_name!r} ({spec}): {exc}") from None
+    except (Exception, SystemExit) as exc:  # the user's module may fail in any way while importing
+        raise ConfigError(f"rewards: cannot import {module_name!r} ({spec}): {type(exc).__name__}: {exc}") from None
 
 
 def _load_file(path_text: str, spec: str) -> Any:
@@ -63,6 +63,6 @@ def _load_file(path_text: str, spec: str) -> Any:
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # exit() at import time too
         raise ConfigError(f"rewards: {path} failed to load: {type(exc).__name__}: {exc}") from None
     return module

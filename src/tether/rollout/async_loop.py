@@ -58,10 +58,12 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
             c.buffer.add(groups)
             last_progress = time.monotonic()
         elif time.monotonic() - last_progress > c.max_wait_s:
+            counters = c.transport.counters
+            failed = f"; first failure: {counters.first_failure}" if counters.first_failure else ""
             raise TimeoutError(
                 f"no rollout group finished in {c.max_wait_s:.0f}s (buffer holds {len(c.buffer)}, need "
-                f"{c.groups_per_batch}; {c.transport.counters.num_filtered} groups filtered by dynamic "
-                "sampling)")
+                f"{c.groups_per_batch}; {counters.num_filtered} groups filtered by dynamic sampling, "
+                f"{counters.num_failed} failed in the engine{failed})")
 
 
 def merge_scores(groups: list[GroupRollout]) -> RewardResult:
@@ -87,6 +89,7 @@ def async_rl_step(c: AsyncRLComponents, state: LoopState) -> tuple[dict[str, Any
     groups = collect_batch(c, state)  # the only wait: for data
     wait_s = time.perf_counter() - start
     scores = merge_scores(groups)
+    state.first_reward_error = state.first_reward_error or scores.first_error
     batch = groups_to_batch(groups, c.advantage_fn, c.group_size, scores)  # advantages
     lags = torch.tensor([lag for g in groups for lag in g.lags(state.policy_version)])  # [B * G]
     train_metrics = c.trainer.train_on(batch, policy_version=state.policy_version)  # loss -> optimizer step
@@ -105,6 +108,7 @@ def async_rl_step(c: AsyncRLComponents, state: LoopState) -> tuple[dict[str, Any
         "time/wait_s": wait_s, "time/step_s": step_s,
         "throughput/gen_tokens_per_s": float(lengths.sum()) / max(step_s, 1e-9),
         "rollout/num_stale_dropped": state.num_stale_dropped, "rollout/num_filtered": counters.num_filtered,
+        "rollout/num_failed": counters.num_failed,
         "rollout/num_aborted": counters.num_aborted, "rollout/num_reissued": counters.num_reissued,
         "rollout/buffer_size": len(c.buffer), "policy_version": state.policy_version,
         "num_samples": state.num_samples,

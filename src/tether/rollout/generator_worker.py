@@ -51,6 +51,8 @@ class GeneratorCounters:
     num_started: int = 0  # groups admitted (re-issues included)
     num_finished: int = 0  # groups scored and handed out
     num_filtered: int = 0  # dynamic sampling: zero reward variance, dropped
+    num_failed: int = 0  # a sample failed in the engine (finish_reason "error"): the group is dropped
+    first_failure: str | None = None  # the first such sample's error, for the log
     num_aborted: int = 0  # aborted in flight, too stale to ever be trained on; prompt re-issued
     num_reissued: int = 0  # prompts re-issued (aborted here or dropped stale by the trainer)
     num_weight_updates: int = 0
@@ -180,6 +182,12 @@ class GeneratorWorker:
     def _score(self, group: InFlightGroup) -> GroupRollout | None:
         """Rewards for a finished group (a raising reward fn scores 0, counted); None when filtered."""
         completions = sorted(group.completions, key=lambda c: c.sample_index)
+        failed = next((c for c in completions if c.finish_reason == "error"), None)
+        if failed is not None:  # not a sample of the policy: its group is not trained on
+            self.controller.release()
+            self.counters.num_failed += 1
+            self.counters.first_failure = self.counters.first_failure or f"record {group.record.index}: {failed.error}"
+            return None
         texts = [self.decode(c.token_ids) for c in completions]
         record = group.record
         num = len(completions)

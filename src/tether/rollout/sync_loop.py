@@ -31,6 +31,9 @@ class LoopState:
     policy_version: int = 0
     num_samples: int = 0  # samples trained on so far
     num_stale_dropped: int = 0  # groups dropped as too stale (async); their prompts were re-issued
+    num_failed_groups: int = 0  # groups left out because the engine failed one of their samples (sync)
+    first_failure: str | None = None  # the first such failure, for the log
+    first_reward_error: str | None = None  # the first reward function failure (scored 0), for the log
 
 
 @dataclass(slots=True)
@@ -79,10 +82,28 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
     params = [c.sampling.for_request(first + i) for i in range(len(prompt_ids))]
     completions = c.generator.generate(prompt_ids, params)  # generate
     gen_s = time.perf_counter() - start
+    # A sample the engine failed (finish_reason "error") is not a sample of the policy: its group
+    # is left out of the batch, and counted.
+    failed = {comp.prompt_index for comp in completions if comp.finish_reason == "error"}
+    if failed:
+        state.num_failed_groups += len(failed)
+        first = next(comp for comp in completions if comp.finish_reason == "error")
+        state.first_failure = state.first_failure or f"record {records[first.prompt_index].index}: {first.error}"
+        kept = sorted(set(range(len(records))) - failed)
+        renumber = {old: new for new, old in enumerate(kept)}
+        records, prompt_ids = [records[i] for i in kept], [prompt_ids[i] for i in kept]
+        completions = [comp for comp in completions if comp.prompt_index not in failed]
+        for comp in completions:
+            comp.prompt_index = renumber[comp.prompt_index]
+    if not completions:  # nothing to train on: the step passes, the run goes on
+        state.step += 1
+        return {"rollout/num_failed": state.num_failed_groups, "time/gen_s": gen_s,
+                "time/step_s": time.perf_counter() - start, "policy_version": state.policy_version}, []
     texts = [c.decode(comp.token_ids) for comp in completions]
     rows = [records[comp.prompt_index] for comp in completions]
 
     scored = c.rewards.score([r.prompt for r in rows], texts, [r.fields for r in rows])  # score
+    state.first_reward_error = state.first_reward_error or scored.first_error
     rewards = torch.tensor(scored.totals, dtype=torch.float32)
     group_size = c.sampling.n
     advantages = c.advantage_fn(rewards, group_size)  # advantages
@@ -104,7 +125,7 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
         "time/gen_s": gen_s, "time/step_s": time.perf_counter() - start,
         "throughput/gen_tokens_per_s": num_gen_tokens / max(gen_s, 1e-9),
-        "policy_version": state.policy_version,
+        "policy_version": state.policy_version, "rollout/num_failed": state.num_failed_groups,
     }
     samples = [{"prompt": rows[i].prompt, "completion": texts[i], "reward": scored.totals[i]}
                for i in range(0, len(completions), max(group_size, 1))]

@@ -1,0 +1,69 @@
+"""Prompts the engine cannot serve never crash a run nor get trained on."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from rollout_helpers import tiny_config
+
+from tether.errors import DataError
+from tether.recipes.grpo import build_generator_worker, rl_prompt_data, run_grpo
+
+SHORT = ["12+3=", "4+5=", "7+1=", "2+2=", "9+9="]
+
+
+def _prompts_file(tmp_path, prompts):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+def _config(path, *overrides):
+    return tiny_config("data.task=null", f"data.train={path}", "trainer.max_steps=2", *overrides)
+
+
+def test_prompts_longer_than_the_context_are_skipped_with_one_warning(tmp_path, tiny_policy, capsys):
+    model, tokenizer = tiny_policy  # max_position_embeddings = 64
+    path = _prompts_file(tmp_path, [SHORT[0], "1" * 100, *SHORT[1:], "2" * 63])
+    config = _config(path)
+    data, skipped = rl_prompt_data(config, model, tokenizer)
+    assert [r.index for r in skipped] == [1, 6]  # 100 and 63 characters (+ bos) leave no room
+    assert len(data.train) == len(SHORT)
+    result = run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
+    assert len(result.history) == 2 and all(m["rollout/num_failed"] == 0 for m in result.history)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "skipped 2 of 7 training prompts" in warnings[0] and "record 1" in warnings[0]
+
+
+def test_no_prompt_that_fits_is_a_one_line_data_error(tmp_path, tiny_policy):
+    model, tokenizer = tiny_policy
+    config = _config(_prompts_file(tmp_path, ["1" * 100]))
+    with pytest.raises(DataError, match="none of the 1 training prompts leaves room"):
+        run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async_worker"])
+def test_a_group_the_engine_fails_is_left_out_and_counted(tmp_path, tiny_policy, capsys, mode):
+    """A prompt inside the context that can never fit the KV pool (3 blocks of 16 tokens) fails in
+    the engine: its group is dropped, counted, reported once; the other groups train."""
+    model, tokenizer = tiny_policy
+    path = _prompts_file(tmp_path, [*SHORT, "3" * 55])  # 56 tokens + 5 new: 4 blocks > 3
+    config = _config(path, "engine.kv_cache_bytes=12288", "data.num_train=6",
+                     "rollout.prompts_per_step=6", "rollout.max_new_tokens=5")
+    if mode == "sync":
+        result = run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
+        assert [m["rollout/num_failed"] for m in result.history] == [1, 2]  # once per epoch of 6 prompts
+        err = capsys.readouterr().err
+        assert err.count("warning: a sample failed in the engine") == 1 and "KV blocks" in err
+    else:
+        worker = build_generator_worker(config, copy.deepcopy(model), tokenizer)
+        groups = []
+        for _ in range(200):
+            groups.extend(worker.step())
+            if worker.counters.num_failed and len(groups) == len(SHORT):
+                break
+        assert worker.counters.num_failed == 1 and "KV blocks" in worker.counters.first_failure
+        assert sorted(g.record.index for g in groups) == list(range(len(SHORT)))
+        assert all(c.finish_reason != "error" for g in groups for c in g.completions)
