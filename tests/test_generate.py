@@ -53,10 +53,30 @@ def test_greedy_equals_transformers_and_format(model_dir, tmp_path):
     assert lines[1]["token_ids"] == expected
 
 
-def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path):
-    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"prompt": "x", "temperature": "hot"}])
+@pytest.mark.parametrize(("line", "needle"), [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "seed": float("nan")}, "p.jsonl:2: field 'seed' must be a finite number"),
+    ({"prompt": "x", "max_new_tokens": float("inf")}, "field 'max_new_tokens' must be a finite number"),
+])
+def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path, line, needle):
+    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ok"}, line])
     result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")],
                   tmp_path)
     assert result.returncode == 2
-    assert "temperature" in result.stderr and "Traceback" not in result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (["--output", "{tmp}"], "is a directory"),  # checked before generating, not after
+    (["--n", "0"], "command line: "),
+    (["--stop", ""], "--stop: a stop string must not be empty"),
+])
+def test_bad_command_line_is_one_line_error(model_dir, tmp_path, extra, needle):
+    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ok"}])
+    extra = [arg.format(tmp=tmp_path) for arg in extra]
+    output = [] if "--output" in extra else ["--output", str(tmp_path / "o.jsonl")]
+    result = _run(["--model", str(model_dir), "--prompts", str(prompts), *output, *extra], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from tether.data.records import PromptRecord
 from tether.engine.config import EngineConfig
 from tether.engine.engine import LLMEngine
 from tether.engine.types import SamplingParams
-from tether.errors import DataError
+from tether.errors import DataError, TetherError
 from tether.models.checkpoint import load_model
 from tether.models.tokenizer import encode_prompt, load_tokenizer
 
@@ -32,6 +34,8 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
     for key, kind in OVERRIDABLE.items():
         if key in record.fields:
             value = record.fields[key]
+            if isinstance(value, float) and not math.isfinite(value):
+                raise DataError(f"{where}:{record.index + 1}: field '{key}' must be a finite number, got {value!r}")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
                 raise DataError(f"{where}:{record.index + 1}: field '{key}' must be {kind.__name__}, got {value!r}")
             values[key] = kind(value)
@@ -57,12 +61,19 @@ def run_generate(args: argparse.Namespace) -> Path:
     base = {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed,
             "stop_strings": tuple(args.stop)}
+    if any(not stop for stop in args.stop):
+        raise TetherError("--stop: a stop string must not be empty")
+    try:
+        SamplingParams(**base)
+    except ValueError as exc:
+        raise TetherError(f"command line: {exc}") from None
     params = [request_params(r, base, args.prompts) for r in records]
+    out = Path(args.output)
+    _check_writable(out)  # before the generation, not after it: nothing computed is lost to a bad path
     engine = build_engine(args, tokenizer)
     completions = engine.generate([encode_prompt(tokenizer, r.prompt) for r in records], params)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
+    partial = out.with_name(out.name + ".partial")
+    with partial.open("w") as f:
         for c in completions:
             line = {"prompt_index": c.prompt_index, "sample_index": c.sample_index,
                     "text": tokenizer.decode(c.token_ids, skip_special_tokens=True), "token_ids": c.token_ids,
@@ -70,5 +81,19 @@ def run_generate(args: argparse.Namespace) -> Path:
             if c.error:
                 line["error"] = c.error
             f.write(json.dumps(line) + "\n")
+    os.replace(partial, out)  # a reader never sees half a file
     print(f"wrote {len(completions)} samples for {len(records)} prompts to {out}", flush=True)
     return out
+
+
+def _check_writable(out: Path) -> None:
+    """``--output`` can be created and written (its directory made if missing); one-line error if not."""
+    if out.is_dir():
+        raise TetherError(f"--output {out}: is a directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(out.name + ".partial")
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise TetherError(f"--output {out}: cannot write there ({exc.strerror or exc})") from None

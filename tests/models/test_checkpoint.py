@@ -119,6 +119,12 @@ def test_bad_config_json(checkpoint):
     assert_one_line_error(checkpoint, "config.json", "not valid JSON")
 
 
+def test_index_whose_weight_map_is_not_a_mapping(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+    (checkpoint / "model.safetensors.index.json").write_text('{"weight_map": ["a", "b"]}')
+    assert_one_line_error(checkpoint, "model.safetensors.index.json", "'weight_map' must map")
+
+
 def test_unsupported_model_type(checkpoint):
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))

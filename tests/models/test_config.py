@@ -109,6 +109,10 @@ def test_list_of_eos_ids_round_trips():
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'low_freq_factor'"),
         ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
+        ({"num_attention_heads": "four"}, "bad value"),  # values of the wrong type, parsed before the rest
+        ({"rope_theta": "big"}, "bad value"),
+        ({"rope_parameters": [1, 2], "rope_theta": None}, "bad value"),
+        ({"model_type": "qwen2", "sliding_window": "x", "use_sliding_window": True}, "bad value"),
     ],
 )
 def test_bad_config_raises_one_line_checkpoint_error_naming_file_and_key(change, needle):

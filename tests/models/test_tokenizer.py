@@ -65,3 +65,6 @@ def test_load_tokenizer_errors_are_one_line(tmp_path):
     with pytest.raises(CheckpointError) as info:
         load_tokenizer(tmp_path)  # exists but holds no tokenizer
     assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')  # a model dir without tokenizer files
+    with pytest.raises(CheckpointError, match="no tokenizer files"):  # not an empty 1-token tokenizer
+        load_tokenizer(tmp_path)

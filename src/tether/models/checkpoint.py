@@ -58,8 +58,10 @@ def _weight_files(directory: Path) -> tuple[Path, dict[str, Path]]:
         raise CheckpointError(f"{directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{index_path}: not a safetensors index ({error!r})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
     files = {name: directory / shard for name, shard in weight_map.items()}
     for shard in sorted(set(files.values())):
         if not shard.is_file():

@@ -122,14 +122,14 @@ class ModelConfig:
         for key in _REQUIRED_KEYS:
             if hf.get(key) is None:
                 raise CheckpointError(f"{source}: missing required key {key!r}")
-        num_heads = int(hf["num_attention_heads"])
-        rope_theta, rope_scaling = _parse_rope(hf, source)
-        bias = _parse_biases(model_type, hf)
-        window, window_layers = _parse_sliding_window(model_type, hf)
-        default_bos, default_eos = _DEFAULT_TOKEN_IDS[model_type]
-        eos = hf.get("eos_token_id", default_eos)
         known = _KNOWN_KEYS | set(_REQUIRED_KEYS)
         try:
+            num_heads = int(hf["num_attention_heads"])
+            rope_theta, rope_scaling = _parse_rope(hf, source)
+            bias = _parse_biases(model_type, hf)
+            window, window_layers = _parse_sliding_window(model_type, hf)
+            default_bos, default_eos = _DEFAULT_TOKEN_IDS[model_type]
+            eos = hf.get("eos_token_id", default_eos)
             return cls(
                 model_type=model_type,
                 vocab_size=int(hf["vocab_size"]),
@@ -161,9 +161,10 @@ class ModelConfig:
                 extra={key: value for key, value in hf.items() if key not in known},
             )
         except CheckpointError as error:
-            raise CheckpointError(f"{source}: {error}") from None
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"{source}: bad value ({error})") from None
+            message = str(error)
+            raise CheckpointError(message if message.startswith(source) else f"{source}: {message}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as error:
+            raise CheckpointError(f"{source}: bad value ({type(error).__name__}: {error})") from None
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` dict that transformers 4.x and 5.x both load into the same model."""

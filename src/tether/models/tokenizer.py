@@ -54,6 +54,11 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
     return tokenizer
 
 
+# Files from which transformers can build a tokenizer (fast, sentencepiece, BPE, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken",
+                   "spiece.model")
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """``AutoTokenizer.from_pretrained(path)`` from local files only, errors as ``CheckpointError``."""
     from transformers import AutoTokenizer
@@ -61,6 +66,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"tokenizer directory {directory} does not exist")
+    # Without these, AutoTokenizer builds an empty tokenizer from config.json alone (vocabulary of 1).
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{directory}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as error:  # transformers raises OSError, ValueError, KeyError, ... here
