@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from tether.config import ExperimentConfig, save_resolved
+from tether.config.loader import is_resolved_config
 from tether.errors import ConfigError
 
 
@@ -22,6 +23,10 @@ def create_run_dir(config: ExperimentConfig, out: str | Path | None = None) -> P
             suffix += 1
     if run_dir.exists() and (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"run directory {run_dir} already holds a run (metrics.jsonl); "
+                          "choose another --out")
+    own_config = run_dir / "config.yaml"
+    if own_config.exists() and not is_resolved_config(own_config):  # never overwrite the user's file
+        raise ConfigError(f"run directory {run_dir} holds a config.yaml that tether did not write; "
                           "choose another --out")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -206,6 +206,33 @@ def test_duplicate_yaml_key_is_an_error(tmp_path):
     assert "name" in message and "duplicate" in message
 
 
+def test_yaml_merge_keys_work_and_keys_written_beside_them_win(tmp_path):
+    path = write(tmp_path, "trainer:\n  <<: {max_steps: 3, lr: 0.5}\n  lr: 0.001\n")
+    config = load_config(path)
+    assert config.trainer.max_steps == 3 and config.trainer.lr == 0.001
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    ("seed=99999999999999999999999", "seed: must be < 4294967296"),  # passed validation, then overflowed
+    ("rewards=[]", "rewards: List should have at least 1 item"),
+])
+def test_values_that_used_to_fail_later_are_config_errors(override, needle):
+    assert needle in config_error(overrides=[override])
+
+
+def test_task_option_of_the_wrong_type_is_a_config_error():
+    from tether.builders import build_task
+
+    config = load_config(None, ["data.task_options.num_digits=2.5"])
+    with pytest.raises(ConfigError, match=r"data.task_options.num_digits: task 'arith' needs int, got 2.5"):
+        build_task(config.data)
+
+
+def test_a_list_as_a_yaml_key_is_a_config_error(tmp_path):
+    message = config_error(write(tmp_path, "trainer:\n  ? [max_steps]\n  : 3\n"))
+    assert "a key must be a plain value" in message
+
+
 def test_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("name: caf\xe9\n".encode("latin-1"))
@@ -235,6 +262,17 @@ def test_create_run_dir_saves_config_and_refuses_an_existing_run(tmp_path):
     with pytest.raises(ConfigError, match="already holds a run") as info:
         create_run_dir(config, out=run_dir)
     assert "\n" not in str(info.value)
+
+
+def test_create_run_dir_never_overwrites_a_config_yaml_it_did_not_write(tmp_path):
+    """`tether train exp/config.yaml --out exp` must not replace the user's file (and its comments)."""
+    mine = write(tmp_path, "# my experiment\nname: exp\n")
+    config = load_config(mine)
+    with pytest.raises(ConfigError, match="holds a config.yaml that tether did not write"):
+        create_run_dir(config, out=tmp_path)
+    assert mine.read_text() == "# my experiment\nname: exp\n"
+    run_dir = create_run_dir(config, out=tmp_path / "run")  # a run that failed before its first step:
+    assert create_run_dir(config, out=run_dir) == run_dir  # its own config.yaml may be rewritten
 
 
 def test_a_temperature_too_small_to_divide_the_logits_by_is_rejected():

@@ -25,8 +25,15 @@ class _Loader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: keys written here override it
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                is_duplicate = key in seen
+            except TypeError:  # a list or mapping as a key (`? [a, b]`)
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key must be a plain value, not a list or mapping", key_node.start_mark) from None
+            if is_duplicate:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
                                                         key_node.start_mark)
             seen.add(key)
@@ -178,5 +185,18 @@ def save_resolved(config: ExperimentConfig, run_dir: Path) -> Path:
     """Write the resolved config (every default filled in) into the run directory."""
     path = run_dir / "config.yaml"
     data = json.loads(config.model_dump_json())
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.write_text(RESOLVED_HEADER + yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+# The first line of every config.yaml tether writes: a run directory's own file, safe to rewrite.
+RESOLVED_HEADER = "# resolved config written by tether (every default filled in)\n"
+
+
+def is_resolved_config(path: Path) -> bool:
+    """Whether ``path`` is a config.yaml that tether wrote (not a user's hand-written file)."""
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            return f.readline() == RESOLVED_HEADER
+    except OSError:
+        return False

@@ -215,7 +215,7 @@ class RewardSpec(Section):
 class ExperimentConfig(Section):
     name: str = Field("tether", description="Run name; the run directory is <run_root>/<name>-<time>.")
     recipe: Literal["sft", "grpo"] = Field("grpo", description="What `tether train` runs.")
-    seed: int = Field(0, description="Seed of every random number generator of the run.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of every random number generator of the run.")
     init_from: str | None = Field(None, description="Start from this checkpoint directory instead of "
                                   "`model.path` (e.g. an SFT run's `final/`).")
     model: ModelSection = Field(default_factory=ModelSection, description="The policy model.")
@@ -226,5 +226,5 @@ class ExperimentConfig(Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="Optimisation.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Outputs.")
     rewards: list[RewardSpec] = Field(
-        default_factory=lambda: [RewardSpec(fn="task")],
+        default_factory=lambda: [RewardSpec(fn="task")], min_length=1,
         description="Reward functions summed with weights; `task` is the built-in task's own checker.")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import random
 import string
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -264,7 +265,27 @@ def get_task(name: str, **kwargs: Any) -> Task:
     """Build a registered task by name, e.g. ``get_task("arith", num_digits=2)``."""
     if name not in TASKS:
         raise ConfigError(f"unknown task '{name}'; available: {', '.join(task_names())}")
+    _check_option_types(name, TASKS[name], kwargs)
     try:
         return TASKS[name](**kwargs)
     except TypeError as e:  # an unknown keyword argument
         raise ConfigError(f"task '{name}': {e}") from None
+
+
+def _check_option_types(name: str, cls: type, kwargs: dict[str, Any]) -> None:
+    """``data.task_options`` come untyped from YAML: a bool, int, float or str option must be one."""
+    hints = typing.get_type_hints(cls)
+    for key, value in kwargs.items():
+        kind = hints.get(key)
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif kind is str:
+            ok = isinstance(value, str)
+        else:
+            continue
+        if not ok:
+            raise ConfigError(f"data.task_options.{key}: task '{name}' needs {kind.__name__}, got {value!r}")

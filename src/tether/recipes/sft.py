@@ -12,6 +12,7 @@ from tether.builders import build_model_and_tokenizer, build_sft_data, seed_ever
 from tether.config import ExperimentConfig
 from tether.data.cursor import DataCursor
 from tether.data.tokenize import SFTExample, tokenize_sft
+from tether.errors import DataError
 from tether.metrics import MetricsWriter
 from tether.models.checkpoint import save_model
 from tether.progress import make_progress
@@ -28,14 +29,22 @@ class SFTResult:
     tokenizer: Any
 
 
+def _tokenize_all(records: list[Any], tokenizer: Any, max_len: int, source: str | None) -> list[SFTExample]:
+    """Tokenized examples; a record that cannot be is a one-line error naming its source."""
+    try:
+        return [tokenize_sft(r, tokenizer, max_len) for r in records]
+    except DataError as exc:
+        raise DataError(f"{source}: {exc}" if source else str(exc)) from None
+
+
 def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenizer: Any = None) -> SFTResult:
     seed_everything(config.seed)
     if model is None:
         model, tokenizer = build_model_and_tokenizer(config.model, config.init_from, config.seed)
     train_records, eval_records, _ = build_sft_data(config.data, config.seed)
     max_len = config.data.max_seq_len
-    train = [tokenize_sft(r, tokenizer, max_len) for r in train_records]
-    held_out = [tokenize_sft(r, tokenizer, max_len) for r in eval_records]
+    train = _tokenize_all(train_records, tokenizer, max_len, config.data.task or config.data.train)
+    held_out = _tokenize_all(eval_records, tokenizer, max_len, config.data.task or config.data.eval)
     t = config.trainer
     optimizer = build_optimizer(model.parameters(), t.lr, t.weight_decay, t.betas)
     scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
