@@ -124,8 +124,8 @@ def rl_prompt_data(config: ExperimentConfig, model: Any, tokenizer: Any) -> tupl
     """The run's prompts without the training prompts that leave no room for a completion (empty
     once tokenized, or as long as the engine's context): (the data, the prompts skipped). verl's
     ``filter_overlong_prompts`` does the same; the engine would fail each of them, every epoch."""
-    data = build_prompt_data(config.data, config.seed)
     context = engine_context_len(config, model)
+    data = build_prompt_data(config.data, config.seed)
     kept: list[PromptRecord] = []
     skipped: list[PromptRecord] = []
     for record in data.train:
@@ -141,10 +141,10 @@ def _train_source(config: ExperimentConfig) -> str:
     return f"data.task={config.data.task}" if config.data.task else f"data.train={config.data.train}"
 
 
-def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> None:
-    """Resolve the prompts and the reward functions here, in the caller's process, before any
-    generator process starts: a bad data file or reward spec is a one-line error at once, and
-    skipped prompts are reported once."""
+def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> PromptData:
+    """The run's prompts, resolved with the reward functions here, in the caller's process, before
+    any generator process starts: a bad data file or reward spec is a one-line error at once, and
+    skipped prompts are reported once. The components built in this process reuse the result."""
     data, skipped = rl_prompt_data(config, model, tokenizer)
     build_rewards(config, data.task)
     if skipped:
@@ -153,6 +153,7 @@ def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> No
               f"training prompts that leave no room for a completion in the engine's context of {context} "
               f"tokens (empty, or {context} tokens or more); the first is record {skipped[0].index}",
               file=sys.stderr)
+    return data
 
 
 def _report_first_failures(state: LoopState, components: Any, reported: set[str]) -> None:
@@ -172,8 +173,9 @@ def _report_first_failures(state: LoopState, components: Any, reported: set[str]
             print(f"warning: {message}", file=sys.stderr)
 
 
-def build_components(config: ExperimentConfig, model: Any, tokenizer: Any) -> RLComponents:
-    data, _ = rl_prompt_data(config, model, tokenizer)
+def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
+                     data: PromptData | None = None) -> RLComponents:
+    data = data if data is not None else rl_prompt_data(config, model, tokenizer)[0]
     return RLComponents(
         generator=build_generator(model, tokenizer, config.engine), trainer=build_trainer(config, model),
         rewards=build_rewards(config, data.task), prompts=DataCursor(data.train, seed=config.seed),
@@ -183,9 +185,11 @@ def build_components(config: ExperimentConfig, model: Any, tokenizer: Any) -> RL
         sampling=sampling_params(config, tokenizer), prompts_per_step=config.rollout.prompts_per_step)
 
 
-def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any) -> GeneratorWorker:
-    """The generator role from config (module-level and picklable: the generator process calls it)."""
-    data, _ = rl_prompt_data(config, model, tokenizer)
+def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
+                           data: PromptData | None = None) -> GeneratorWorker:
+    """The generator role from config (module-level and picklable: the generator process calls it;
+    ``data``: the prompts when the caller has them already)."""
+    data = data if data is not None else rl_prompt_data(config, model, tokenizer)[0]
     r = config.rollout
     settings = GeneratorSettings(
         sampling=sampling_params(config, tokenizer), groups_per_batch=r.prompts_per_step,
@@ -220,7 +224,8 @@ def thread_split(config: ExperimentConfig) -> tuple[int, int]:
     return config.trainer.num_threads or half, config.rollout.generator_threads or half
 
 
-def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any) -> AsyncRLComponents:
+def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any,
+                           data: PromptData | None = None) -> AsyncRLComponents:
     r = config.rollout
     transport: GeneratorTransport
     if r.mode == "async":
@@ -231,14 +236,14 @@ def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any)
                                   wait_for_handover=r.generate_during_boot)
         # Started first, so that it boots while the trainer's process builds its own worker.
         try:
-            transport = (HandoverTransport(build_generator_worker(config, model, tokenizer), remote)
+            transport = (HandoverTransport(build_generator_worker(config, model, tokenizer, data), remote)
                          if r.generate_during_boot else remote)
             trainer = build_trainer(config, model)
         except BaseException:
             remote.close()  # not left waiting for a hand-over that will never come
             raise
     else:
-        transport = InProcessTransport(build_generator_worker(config, model, tokenizer))
+        transport = InProcessTransport(build_generator_worker(config, model, tokenizer, data))
         trainer = build_trainer(config, model)
     return AsyncRLComponents(transport, trainer, RolloutBuffer(max_staleness(config)),
                              ADVANTAGES.get(config.algorithm.advantage), groups_per_batch=r.prompts_per_step,
@@ -253,13 +258,13 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
     history: list[dict[str, Any]] = []
     progress = make_progress(config.logging.progress, config.trainer.max_steps, "grpo",
                              config.logging.log_every)
-    check_run_inputs(config, model, tokenizer)
+    data = check_run_inputs(config, model, tokenizer)
     threads_before = torch.get_num_threads()
     if uses_async_driver(config):
-        components: Any = build_async_components(config, model, tokenizer)
+        components: Any = build_async_components(config, model, tokenizer, data)
         step_fn: Any = async_rl_step
     else:
-        components, step_fn = build_components(config, model, tokenizer), rl_step
+        components, step_fn = build_components(config, model, tokenizer, data), rl_step
     # The trainer's threads (async: its share of the cores; the generator process has the rest).
     trainer_threads = thread_split(config)[0] if config.rollout.mode == "async" else config.trainer.num_threads
     if trainer_threads > 0:
