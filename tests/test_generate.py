@@ -80,3 +80,18 @@ def test_bad_command_line_is_one_line_error(model_dir, tmp_path, extra, needle):
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_output_to_dev_stdout_and_through_a_symlink(model_dir, tmp_path):
+    """`--output /dev/stdout` streams the samples; a symlinked output file stays a symlink."""
+    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ok"}])
+    result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--output", "/dev/stdout"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[0])["prompt_index"] == 0
+    target, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--output", str(link)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert link.is_symlink() and json.loads(target.read_text().splitlines()[0])["prompt_index"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")) == []

@@ -72,7 +72,8 @@ def run_generate(args: argparse.Namespace) -> Path:
     _check_writable(out)  # before the generation, not after it: nothing computed is lost to a bad path
     engine = build_engine(args, tokenizer)
     completions = engine.generate([encode_prompt(tokenizer, r.prompt) for r in records], params)
-    partial = out.with_name(out.name + ".partial")
+    target, is_regular = _output_target(out)
+    partial = target.with_name(target.name + ".partial") if is_regular else target
     with partial.open("w") as f:
         for c in completions:
             line = {"prompt_index": c.prompt_index, "sample_index": c.sample_index,
@@ -81,7 +82,8 @@ def run_generate(args: argparse.Namespace) -> Path:
             if c.error:
                 line["error"] = c.error
             f.write(json.dumps(line) + "\n")
-    os.replace(partial, out)  # a reader never sees half a file
+    if is_regular:
+        os.replace(partial, target)
     print(f"wrote {len(completions)} samples for {len(records)} prompts to {out}", flush=True)
     return out
 
@@ -90,10 +92,24 @@ def _check_writable(out: Path) -> None:
     """``--output`` can be created and written (its directory made if missing); one-line error if not."""
     if out.is_dir():
         raise TetherError(f"--output {out}: is a directory")
+    target, is_regular = _output_target(out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        probe = out.with_name(out.name + ".partial")
+        if not is_regular:
+            if not os.access(out, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe = target.with_name(target.name + ".partial")
         probe.touch()
         probe.unlink()
     except OSError as exc:
         raise TetherError(f"--output {out}: cannot write there ({exc.strerror or exc})") from None
+
+
+def _output_target(out: Path) -> tuple[Path, bool]:
+    """(the path to write, whether it is a regular file). A regular file (or a new one) is written
+    beside itself and renamed over, so a reader never sees half a file; through a symlink, its
+    target is. Anything else (``/dev/stdout``, a pipe, a terminal) is written in place."""
+    if out.exists() and not out.is_file():
+        return out, False
+    return (out.resolve() if out.is_symlink() else out), True

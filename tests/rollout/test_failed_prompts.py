@@ -8,7 +8,7 @@ import json
 import pytest
 from rollout_helpers import tiny_config
 
-from tether.errors import DataError
+from tether.errors import DataError, RequestError
 from tether.recipes.grpo import build_generator_worker, rl_prompt_data, run_grpo
 
 SHORT = ["12+3=", "4+5=", "7+1=", "2+2=", "9+9="]
@@ -67,3 +67,30 @@ def test_a_group_the_engine_fails_is_left_out_and_counted(tmp_path, tiny_policy,
         assert worker.counters.num_failed == 1 and "KV blocks" in worker.counters.first_failure
         assert sorted(g.record.index for g in groups) == list(range(len(SHORT)))
         assert all(c.finish_reason != "error" for g in groups for c in g.completions)
+
+
+@pytest.mark.parametrize(("driver", "message"), [
+    ("rollout.oversample=0", r"failed every prompt of 3 batches in a row.*KV blocks"),  # rl_step
+    ("rollout.oversample=1", r"failed the first \d+ groups and finished none.*KV blocks"),  # the async driver
+])
+def test_a_run_whose_every_prompt_fails_stops_with_one_line(tmp_path, tiny_policy, driver, message):
+    """Nothing to train on, batch after batch: an error naming the failure, not a run of no-ops
+    (nor, in the async driver, a 10-minute wait for a group that never comes)."""
+    model, tokenizer = tiny_policy
+    path = _prompts_file(tmp_path, ["3" * 55, "4" * 55])  # inside the context, never in a 3-block pool
+    config = _config(path, "engine.kv_cache_bytes=12288", "rollout.prompts_per_step=2", driver)
+    with pytest.raises(RequestError, match=message):
+        run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
+
+
+def test_reward_modules_are_imported_once_in_a_sync_run(tmp_path, tiny_policy):
+    """The up-front check and the loop share one RewardComputer: a module that loads a judge or
+    binds a port at import does it once."""
+    model, tokenizer = tiny_policy
+    log = tmp_path / "imports.log"
+    reward = tmp_path / "counting_reward.py"
+    reward.write_text(f"open({str(log)!r}, 'a').write('x')\n\ndef score(prompt, completion, **fields):\n"
+                      "    return float(len(completion) % 2)\n")
+    config = tiny_config("trainer.max_steps=1", f"rewards=[{{fn: '{reward}:score'}}]")
+    run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
+    assert log.read_text() == "x"

@@ -38,6 +38,7 @@ from tether.errors import DataError
 from tether.metrics import MetricsWriter
 from tether.models.checkpoint import save_model
 from tether.progress import make_progress
+from tether.rewards.compute import RewardComputer
 from tether.rollout.async_loop import AsyncRLComponents, async_rl_step
 from tether.rollout.buffer import RolloutBuffer
 from tether.rollout.generator_worker import GeneratorSettings, GeneratorWorker
@@ -141,19 +142,27 @@ def _train_source(config: ExperimentConfig) -> str:
     return f"data.task={config.data.task}" if config.data.task else f"data.train={config.data.train}"
 
 
-def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> PromptData:
+@dataclass(frozen=True, slots=True)
+class RunInputs:
+    """What ``check_run_inputs`` resolved; the components built in the same process reuse it."""
+
+    data: PromptData
+    rewards: RewardComputer
+
+
+def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> RunInputs:
     """The run's prompts, resolved with the reward functions here, in the caller's process, before
     any generator process starts: a bad data file or reward spec is a one-line error at once, and
     skipped prompts are reported once. The components built in this process reuse the result."""
     data, skipped = rl_prompt_data(config, model, tokenizer)
-    build_rewards(config, data.task)
+    rewards = build_rewards(config, data.task)  # imports the user's reward modules, once here
     if skipped:
         context = engine_context_len(config, model)
         print(f"warning: {_train_source(config)}: skipped {len(skipped)} of {len(skipped) + len(data.train)} "
               f"training prompts that leave no room for a completion in the engine's context of {context} "
               f"tokens (empty, or {context} tokens or more); the first is record {skipped[0].index}",
               file=sys.stderr)
-    return data
+    return RunInputs(data, rewards)
 
 
 def _report_first_failures(state: LoopState, components: Any, reported: set[str]) -> None:
@@ -174,11 +183,12 @@ def _report_first_failures(state: LoopState, components: Any, reported: set[str]
 
 
 def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
-                     data: PromptData | None = None) -> RLComponents:
-    data = data if data is not None else rl_prompt_data(config, model, tokenizer)[0]
+                     inputs: RunInputs | None = None) -> RLComponents:
+    data = inputs.data if inputs is not None else rl_prompt_data(config, model, tokenizer)[0]
     return RLComponents(
         generator=build_generator(model, tokenizer, config.engine), trainer=build_trainer(config, model),
-        rewards=build_rewards(config, data.task), prompts=DataCursor(data.train, seed=config.seed),
+        rewards=inputs.rewards if inputs is not None else build_rewards(config, data.task),
+        prompts=DataCursor(data.train, seed=config.seed),
         encode=lambda record: tokenize_prompt(record, tokenizer),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         advantage_fn=ADVANTAGES.get(config.algorithm.advantage),
@@ -186,10 +196,10 @@ def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
 
 
 def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
-                           data: PromptData | None = None) -> GeneratorWorker:
+                           inputs: RunInputs | None = None) -> GeneratorWorker:
     """The generator role from config (module-level and picklable: the generator process calls it;
-    ``data``: the prompts when the caller has them already)."""
-    data = data if data is not None else rl_prompt_data(config, model, tokenizer)[0]
+    ``inputs``: the prompts and rewards when this process has resolved them already)."""
+    data = inputs.data if inputs is not None else rl_prompt_data(config, model, tokenizer)[0]
     r = config.rollout
     settings = GeneratorSettings(
         sampling=sampling_params(config, tokenizer), groups_per_batch=r.prompts_per_step,
@@ -197,7 +207,8 @@ def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
         is_partial_rollouts=is_partial_rollouts(config), is_dynamic_sampling=r.dynamic_sampling)
     return GeneratorWorker(
         build_generator(model, tokenizer, config.engine), DataCursor(data.train, seed=config.seed),
-        build_rewards(config, data.task), lambda record: tokenize_prompt(record, tokenizer),
+        inputs.rewards if inputs is not None else build_rewards(config, data.task),
+        lambda record: tokenize_prompt(record, tokenizer),
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True), settings)
 
 
@@ -225,7 +236,7 @@ def thread_split(config: ExperimentConfig) -> tuple[int, int]:
 
 
 def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any,
-                           data: PromptData | None = None) -> AsyncRLComponents:
+                           inputs: RunInputs | None = None) -> AsyncRLComponents:
     r = config.rollout
     transport: GeneratorTransport
     if r.mode == "async":
@@ -236,14 +247,14 @@ def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any,
                                   wait_for_handover=r.generate_during_boot)
         # Started first, so that it boots while the trainer's process builds its own worker.
         try:
-            transport = (HandoverTransport(build_generator_worker(config, model, tokenizer, data), remote)
+            transport = (HandoverTransport(build_generator_worker(config, model, tokenizer, inputs), remote)
                          if r.generate_during_boot else remote)
             trainer = build_trainer(config, model)
         except BaseException:
             remote.close()  # not left waiting for a hand-over that will never come
             raise
     else:
-        transport = InProcessTransport(build_generator_worker(config, model, tokenizer, data))
+        transport = InProcessTransport(build_generator_worker(config, model, tokenizer, inputs))
         trainer = build_trainer(config, model)
     return AsyncRLComponents(transport, trainer, RolloutBuffer(max_staleness(config)),
                              ADVANTAGES.get(config.algorithm.advantage), groups_per_batch=r.prompts_per_step,
@@ -258,13 +269,13 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
     history: list[dict[str, Any]] = []
     progress = make_progress(config.logging.progress, config.trainer.max_steps, "grpo",
                              config.logging.log_every)
-    data = check_run_inputs(config, model, tokenizer)
+    inputs = check_run_inputs(config, model, tokenizer)
     threads_before = torch.get_num_threads()
     if uses_async_driver(config):
-        components: Any = build_async_components(config, model, tokenizer, data)
+        components: Any = build_async_components(config, model, tokenizer, inputs)
         step_fn: Any = async_rl_step
     else:
-        components, step_fn = build_components(config, model, tokenizer, data), rl_step
+        components, step_fn = build_components(config, model, tokenizer, inputs), rl_step
     # The trainer's threads (async: its share of the cores; the generator process has the rest).
     trainer_threads = thread_split(config)[0] if config.rollout.mode == "async" else config.trainer.num_threads
     if trainer_threads > 0:

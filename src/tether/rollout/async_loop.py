@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from tether.algorithms.mismatch import staleness_metrics
+from tether.errors import RequestError
 from tether.rewards.compute import RewardResult
 from tether.rollout.buffer import GroupRollout, RolloutBuffer
 from tether.rollout.local_backend import GeneratorTransport
-from tether.rollout.sync_loop import LoopState, build_rollout_batch
+from tether.rollout.sync_loop import MAX_EMPTY_DRAWS, LoopState, build_rollout_batch
 from tether.training.batch import RolloutBatch
 from tether.training.policy import PolicyTrainer
 
@@ -54,6 +55,10 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
         if take.groups is not None:
             return take.groups
         groups = c.transport.poll(c.poll_timeout_s)
+        counters = c.transport.counters
+        if not counters.num_finished and counters.num_failed >= MAX_EMPTY_DRAWS * c.groups_per_batch:
+            raise RequestError(f"the engine failed the first {counters.num_failed} groups and finished none; "
+                               f"first failure: {counters.first_failure}")
         if groups:
             c.buffer.add(groups)
             last_progress = time.monotonic()

@@ -28,6 +28,7 @@ otherwise. Elsewhere the context is spawn, as before.
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing.forkserver
 import os
 import queue
@@ -155,6 +156,7 @@ def _wait_for_handover(worker: GeneratorWorker, control: Any, stop: Any) -> bool
 
 
 def _generate(worker: GeneratorWorker, weights: SharedWeights, control: Any, results: Any, stop: Any) -> None:
+    reported: tuple[int, ...] = ()  # the drop counters last sent: a change is sent even with no group
     while not stop.is_set():
         with contextlib.suppress(queue.Empty):
             while True:
@@ -164,8 +166,11 @@ def _generate(worker: GeneratorWorker, weights: SharedWeights, control: Any, res
             worker.load_weights(named_tensors, version)
             weights.ack(version)
         groups = worker.step()
-        if groups:
-            results.put(("groups", groups, worker.counters))
+        counters = worker.counters
+        drops = (counters.num_failed, counters.num_filtered, counters.num_aborted)
+        if groups or drops != reported:  # a run whose every group fails still tells the trainer why
+            results.put(("groups", groups, copy.copy(counters)))
+            reported = drops
         elif worker.is_idle:
             time.sleep(0.001)  # waiting for weights or re-issued prompts
 

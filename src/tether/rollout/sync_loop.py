@@ -19,10 +19,15 @@ from tether.algorithms.mismatch import staleness_metrics
 from tether.data.cursor import DataCursor
 from tether.data.records import PromptRecord
 from tether.engine.types import Completion, Generator, SamplingParams
+from tether.errors import RequestError
 from tether.rewards import RewardComputer
 from tether.rollout.buffer import oldest_token_version
 from tether.training.batch import RolloutBatch
 from tether.training.policy import PolicyTrainer
+
+# Batches in a row of which every group fails before a sync run stops with an error (the async
+# driver stops when no group arrives for ``max_wait_s``).
+MAX_EMPTY_DRAWS = 3
 
 
 @dataclass(slots=True)
@@ -34,6 +39,7 @@ class LoopState:
     num_failed_groups: int = 0  # groups left out because the engine failed one of their samples (sync)
     first_failure: str | None = None  # the first such failure, for the log
     first_reward_error: str | None = None  # the first reward function failure (scored 0), for the log
+    num_empty_draws: int = 0  # batches in a row of which the engine failed every group (sync)
 
 
 @dataclass(slots=True)
@@ -95,10 +101,13 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
         completions = [comp for comp in completions if comp.prompt_index not in failed]
         for comp in completions:
             comp.prompt_index = renumber[comp.prompt_index]
-    if not completions:  # nothing to train on: the step passes, the run goes on
-        state.step += 1
-        return {"rollout/num_failed": state.num_failed_groups, "time/gen_s": gen_s,
-                "time/step_s": time.perf_counter() - start, "policy_version": state.policy_version}, []
+    if not completions:  # nothing to train on: draw the next prompts (the step is not used up)
+        state.num_empty_draws += 1
+        if state.num_empty_draws >= MAX_EMPTY_DRAWS:
+            raise RequestError(f"the engine failed every prompt of {MAX_EMPTY_DRAWS} batches in a row "
+                               f"(step {state.step + 1}); first failure: {state.first_failure}")
+        return rl_step(c, state)
+    state.num_empty_draws = 0
     texts = [c.decode(comp.token_ids) for comp in completions]
     rows = [records[comp.prompt_index] for comp in completions]
 
