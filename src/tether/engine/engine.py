@@ -236,7 +236,8 @@ class LLMEngine:
             seqs.extend(group)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]  # [N', V]
-        result = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs])
+        # These rows of the step's logits are read by nothing else: sampled in place.
+        result = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs], may_overwrite=True)
         done: list[Completion] = []
         for seq, token_id, logprob in zip(seqs, result.token_ids, result.logprobs):
             self._emit(seq, [token_id], [logprob])
