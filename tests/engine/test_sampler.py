@@ -80,6 +80,15 @@ def test_plain_sampling_path_matches_the_general_one(temperature):
     expected = process_logits(logits, temperature).gather(-1, torch.tensor(plain.token_ids)[:, None])
     assert torch.allclose(torch.tensor(plain.logprobs), expected.squeeze(-1), atol=1e-5)
     assert plain.logprobs == pytest.approx(mixed.logprobs[:6], abs=1e-5)
+    # In place on logits the caller gives away (the engine's step output): the same samples, the
+    # caller's tensor consumed only when allowed.
+    given = logits.clone()
+    in_place = Sampler().sample(given, params, generators(*range(6)), may_overwrite=True)
+    assert in_place.token_ids == plain.token_ids
+    assert in_place.logprobs == pytest.approx(plain.logprobs, abs=2e-6)
+    kept = logits.clone()
+    Sampler().sample(kept, params, generators(*range(6)))
+    assert torch.equal(kept, logits)
 
 
 def make_seq(prompt: list[int], params: SamplingParams, stop_ids=()) -> Sequence:
