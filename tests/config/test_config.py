@@ -220,6 +220,19 @@ def test_values_that_used_to_fail_later_are_config_errors(override, needle):
     assert needle in config_error(overrides=[override])
 
 
+def test_data_train_turns_the_default_task_off_and_both_is_an_error():
+    config = load_config(None, ["data.train=mine.jsonl"])  # not silently the arith task
+    assert config.data.task is None and config.data.train == "mine.jsonl"
+    assert "set data.task: null" in config_error(overrides=["data.train=mine.jsonl", "data.task=copy"])
+    assert load_config(None, []).data.task == "arith"
+
+
+@pytest.mark.parametrize("name", ["1e-4", "3e5", "+1e3", ".5"])
+def test_a_string_that_looks_like_a_number_survives_the_saved_config(tmp_path, name):
+    config = load_config(None, [f'name="{name}"'])
+    assert load_config(save_resolved(config, tmp_path)) == config
+
+
 def test_task_option_of_the_wrong_type_is_a_config_error():
     from tether.builders import build_task
 

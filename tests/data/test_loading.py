@@ -255,3 +255,21 @@ def test_bad_preference_rows(in_tmp):
     )
     with pytest.raises(DataError, match=r"^p.jsonl:1: field 'rejected' needs at least one message"):
         load_preferences("p.jsonl")
+
+
+def test_a_utf8_byte_order_mark_is_not_data(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert [r.prompt for r in load_prompts(path)] == ["a", "b"]
+
+
+def test_null_columns_of_another_format_are_absent(tmp_path):
+    """Files merged from sources of different formats carry every column in every row, null where unused."""
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+             "prompt": None, "completion": None, "text": None},
+            {"messages": None, "prompt": "2+2=", "completion": "4", "text": None}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = load_sft(path)
+    assert records[0].completion == [{"role": "assistant", "content": "yo"}]
+    assert (records[1].prompt, records[1].completion) == ("2+2=", "4")

@@ -113,3 +113,12 @@ def test_copy_task_chunk_reversal():
     assert record.fields["answer"] == task.transform(record.prompt[:-1])
     with pytest.raises(ConfigError, match="min_chars"):
         CopyTask(min_chars=10, max_chars=5)
+
+
+def test_copy_reward_counts_spaces_as_characters():
+    """The copy alphabet has a space: a copy that drops or adds one at the edges is wrong."""
+    task = CopyTask()
+    assert task.reward("", " ab ", answer=" ab ") == 1.0
+    assert task.reward("", "ab", answer=" ab ") == 0.0
+    assert task.reward("", " ab   \n", answer=" ab ") == 0.0
+    assert ArithTask().reward("", " 12\n", answer="12") == 1.0  # arith answers are numbers: stripped

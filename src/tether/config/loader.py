@@ -40,15 +40,20 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+_YAML12_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
                 |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
                 |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
                 |[-+]?\.(?:inf|Inf|INF)
-                |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
+                |\.(?:nan|NaN|NAN))$""", re.X)
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+
+
+class _Dumper(yaml.SafeDumper):
+    """Quotes a string that ``_Loader`` would read as a number (``name: '1e-4'``), so a saved
+    config.yaml loads back to the same config."""
+
+
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
 
 
 def _yaml_load(text: str) -> Any:
@@ -185,7 +190,7 @@ def save_resolved(config: ExperimentConfig, run_dir: Path) -> Path:
     """Write the resolved config (every default filled in) into the run directory."""
     path = run_dir / "config.yaml"
     data = json.loads(config.model_dump_json())
-    path.write_text(RESOLVED_HEADER + yaml.safe_dump(data, sort_keys=False))
+    path.write_text(RESOLVED_HEADER + yaml.dump(data, Dumper=_Dumper, sort_keys=False))
     return path
 
 

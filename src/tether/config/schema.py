@@ -7,7 +7,7 @@ the relevant section into plain arguments.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -74,13 +74,28 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _train_file_replaces_the_default_task(cls, values: Any) -> Any:
+        """``data.train`` given without ``data.task``: train on the file (the task default is off)."""
+        if isinstance(values, dict) and values.get("train") is not None and "task" not in values:
+            return {**values, "task": None}
+        return values
+
+    @model_validator(mode="after")
+    def _not_both_task_and_train(self) -> DataSection:
+        if self.task is not None and self.train is not None:
+            raise ValueError(f"data.task={self.task!r} and data.train={self.train!r} are both set; "
+                             "set data.task: null to train on data.train")
+        return self
+
     train: str | None = Field(
         None, description="Training data: a JSONL or Parquet file, a `datasets` directory or name. "
-        "Unused when `data.task` is set.")
+        "Setting it turns the default `data.task` off.")
     eval: str | None = Field(None, description="Held-out data in the same formats as `data.train`.")
     task: str | None = Field(
         "arith", description="Built-in synthetic task generated from `seed` (e.g. `arith`, `copy`); "
-        "set to null to read `data.train`.")
+        "null (the default once `data.train` is set) reads `data.train`.")
     task_options: dict[str, int | float | str | bool] = Field(
         default_factory=dict, description="Keyword options of the built-in task (e.g. num_digits).")
     num_train: int = Field(2000, gt=0, description="Training examples drawn from a built-in task.")

@@ -94,6 +94,9 @@ def _prompt_from_row(row: dict[str, Any], where: str, index: int) -> PromptRecor
 
 
 def _sft_from_row(row: dict[str, Any], where: str, index: int) -> SFTRecord:
+    # A column that is null in this row is absent from it (Parquet / datasets files merged from
+    # sources of different formats carry every column in every row).
+    row = {key: value for key, value in row.items() if value is not None}
     if "messages" in row and "prompt" not in row:
         messages = check_text(row["messages"], where, "messages")
         if isinstance(messages, str):
@@ -167,7 +170,7 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
     with path.open("rb") as f:
         for line_number, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")  # a BOM is not data
             except UnicodeDecodeError as exc:
                 raise DataError(f"{path}:{line_number}: not valid UTF-8 (byte {exc.start} of the line)") from None
             if not line.strip():

@@ -243,6 +243,12 @@ class CopyTask(_ProblemTask):
         chunks = (text[i : i + self.chunk_size] for i in range(0, len(text), self.chunk_size))
         return "".join(chunk[::-1] for chunk in chunks)
 
+    def is_correct(self, completion: str, **fields: Any) -> bool:
+        """The exact copy: spaces are characters of the alphabet, so none are stripped."""
+        if "answer" not in fields:
+            raise DataError(f"task '{self.name}' scores against an 'answer' field; the record has none")
+        return completion == str(fields["answer"])
+
     def _make(self, rng: random.Random) -> Problem:
         num_chars = rng.randint(self.min_chars, self.max_chars)
         text = "".join(rng.choice(COPY_ALPHABET) for _ in range(num_chars))
