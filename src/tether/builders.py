@@ -95,8 +95,8 @@ def build_prompt_data(section: DataSection, seed: int) -> PromptData:
                           task.prompts(section.num_eval, seed + 1, "test"), task)
     if section.train is None:
         raise ConfigError("data.train: required when data.task is null")
-    evaluation = load_prompts(section.eval) if section.eval else []
-    return PromptData(load_prompts(section.train), evaluation, None)
+    evaluation = load_prompts(section.eval, split=section.eval_split) if section.eval else []
+    return PromptData(load_prompts(section.train, split=section.train_split), evaluation, None)
 
 
 def build_sft_data(section: DataSection, seed: int) -> tuple[list[SFTRecord], list[SFTRecord], Task | None]:
@@ -105,8 +105,8 @@ def build_sft_data(section: DataSection, seed: int) -> tuple[list[SFTRecord], li
         return task.sft(section.num_train, seed, "train"), task.sft(section.num_eval, seed + 1, "test"), task
     if section.train is None:
         raise ConfigError("data.train: required when data.task is null")
-    evaluation = load_sft(section.eval) if section.eval else []
-    return load_sft(section.train), evaluation, None
+    evaluation = load_sft(section.eval, split=section.eval_split) if section.eval else []
+    return load_sft(section.train, split=section.train_split), evaluation, None
 
 
 def build_rewards(config: ExperimentConfig, task: Task | None) -> RewardComputer:

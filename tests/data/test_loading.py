@@ -101,6 +101,13 @@ def test_split_of_a_dataset_dict(tmp_path):
     assert len(load_prompts(tmp_path / "dd", split="test")) == 1
     with pytest.raises(DataError, match=r"no split 'validation' \(available: train, test\)"):
         load_prompts(tmp_path / "dd", split="validation")
+    # One DatasetDict for both: the run trains on data.train_split and evaluates on data.eval_split.
+    from tether.builders import build_prompt_data
+    from tether.config import load_config
+
+    config = load_config(None, [f"data.train={tmp_path / 'dd'}", f"data.eval={tmp_path / 'dd'}"])
+    data = build_prompt_data(config.data, seed=0)
+    assert (len(data.train), len(data.eval)) == (len(PROMPT_ROWS), 1)
 
 
 def test_sft_formats(tmp_path):

@@ -109,3 +109,29 @@ def test_prompt_convention_matches_the_models_tokenizer_helper():
         assert example.input_ids[: len(expected)] == expected
         assert example.input_ids[-1] == tokenizer.eos_token_id
         assert not any(example.loss_mask[: len(expected)]) and all(example.loss_mask[len(expected) :])
+
+
+def _sentencepiece_style_tokenizer():
+    """A Llama-2/Mistral-style fast tokenizer: Prepend("▁") normalizer, byte-free BPE."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    raw.train_from_iterator(["Q: 2+2=4 the answer is 42 hello world"] * 20,
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_completion_gets_no_word_start_space_the_data_lacks():
+    """Encoded alone, "4" would become "▁4" under SentencePiece's Prepend("▁"): the model would
+    learn to answer "2+2= 4". Its tokens are those of prompt + completion encoded together."""
+    tokenizer = _sentencepiece_style_tokenizer()
+    example = tokenize_sft(SFTRecord(prompt="Q: 2+2=", completion="4"), tokenizer, 32)
+    joint = [tokenizer.bos_token_id, *tokenizer.encode("Q: 2+2=4", add_special_tokens=False)]
+    assert example.input_ids == [*joint, tokenizer.eos_token_id]
+    assert tokenizer.decode(example.input_ids, skip_special_tokens=True) == "Q: 2+2=4"
+    spaced = tokenize_sft(SFTRecord(prompt="Q: 2+2=", completion=" 4"), tokenizer, 32)  # a real space stays
+    assert tokenizer.decode(spaced.input_ids, skip_special_tokens=True) == "Q: 2+2= 4"

@@ -93,6 +93,10 @@ class DataSection(Section):
         None, description="Training data: a JSONL or Parquet file, a `datasets` directory or name. "
         "Setting it turns the default `data.task` off.")
     eval: str | None = Field(None, description="Held-out data in the same formats as `data.train`.")
+    train_split: str = Field("train", description="Split of `data.train` when it is a `datasets` "
+                             "dataset with splits.")
+    eval_split: str = Field("test", description="Split of `data.eval` when it is a `datasets` dataset "
+                            "with splits (point both at one DatasetDict: train on one split, evaluate on another).")
     task: str | None = Field(
         "arith", description="Built-in synthetic task generated from `seed` (e.g. `arith`, `copy`); "
         "null (the default once `data.train` is set) reads `data.train`.")

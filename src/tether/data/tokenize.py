@@ -9,7 +9,9 @@ generation exactly the prefix it was trained on):
 
 SFT example (``tokenize_sft``): ``prompt_ids + completion_ids`` where
 
-* plain text: ``completion_ids = encode(completion) + [eos]``;
+* plain text: ``completion_ids = encode(completion) + [eos]``, where ``encode(completion)`` means
+  its tokens as they follow the prompt (``_continuation_ids``: the prompt and the completion
+  encoded together, cut after the prompt's tokens, so no word-start space is invented);
 * chat: the conversation with the reply is rendered by the template; its text must start with the
   prompt's text (true of every sane template), and the rest is the reply. If the reply's tokens
   contain eos (templates close a turn with it, often followed by a newline), they are cut just
@@ -120,7 +122,7 @@ def _completion_ids(record: SFTRecord, tokenizer: Tokenizer, eos: int) -> list[i
     if isinstance(record.prompt, str):
         if not isinstance(record.completion, str):
             raise DataError(f"example {record.index}: a plain-text prompt needs a plain-text completion")
-        return _encode(tokenizer, record.completion) + [eos]
+        return _continuation_ids(tokenizer, record.prompt, record.completion) + [eos]
     assert record.completion is not None
     reply = record.completion
     if isinstance(reply, str):
@@ -132,11 +134,25 @@ def _completion_ids(record: SFTRecord, tokenizer: Tokenizer, eos: int) -> list[i
             f"example {record.index}: the chat template does not render the prompt as a prefix of the "
             "conversation, so the assistant reply cannot be located"
         )
-    ids = _encode(tokenizer, full_text[len(prompt_text) :])
+    ids = _continuation_ids(tokenizer, prompt_text, full_text[len(prompt_text) :])
     if eos in ids:
         last_eos = len(ids) - 1 - ids[::-1].index(eos)
         return ids[: last_eos + 1]
     return ids + [eos]
+
+
+def _continuation_ids(tokenizer: Tokenizer, prompt_text: str, text: str) -> list[int]:
+    """The tokens of ``text`` as they follow ``prompt_text``: ``prompt + text`` encoded in one
+    piece and cut after the prompt's own tokens, when those are a prefix of it. Encoded alone,
+    a SentencePiece-style tokenizer (Llama 2, Mistral: ``Prepend("▁")``) would begin ``text``
+    with a word-start space the data does not have (``"2+2=" + "4"`` -> ``"2+2= 4"``). When the
+    prompt's tokens merge with the text's across the boundary (BPE), the prompt must stay as the
+    engine sees it at generation, so ``text`` is encoded alone."""
+    prompt_ids = _encode(tokenizer, prompt_text)
+    joint = _encode(tokenizer, prompt_text + text)
+    if joint[: len(prompt_ids)] == prompt_ids:
+        return joint[len(prompt_ids) :]
+    return _encode(tokenizer, text)
 
 
 def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
