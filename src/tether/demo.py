@@ -72,7 +72,9 @@ def run_demo(quick: bool = False, out: str | None = None, seed: int = 0, mode: s
     num_params = sum(p.numel() for p in model.parameters())
     print(f"demo: {num_params / 1e6:.2f}M-parameter model, character tokenizer, task arith", flush=True)
 
-    run_sft(sft_config, create_run_dir(sft_config, root / "sft"), model, tokenizer)
+    sft_result = run_sft(sft_config, create_run_dir(sft_config, root / "sft"), model, tokenizer)
+    # The GRPO stage continues from this model; its config.yaml says so, so the run dir reruns alone.
+    grpo_config.init_from = str(sft_result.final_dir.resolve())
     before = held_out_accuracy(model, tokenizer, grpo_config)
     print(f"demo: after SFT warm start ({time.perf_counter() - start:.0f}s): held-out accuracy "
           f"{before.accuracy:.1%}", flush=True)
