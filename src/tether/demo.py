@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tether.builders import build_generator, build_model_and_tokenizer, build_prompt_data
+from tether.builders import build_generator, build_model_and_tokenizer, build_prompt_data, eos_token_ids
 from tether.config import ExperimentConfig, load_config
 from tether.data.tokenize import tokenize_prompt
 from tether.evaluation import AccuracyResult, evaluate_accuracy
@@ -59,7 +59,7 @@ def held_out_accuracy(model: torch.nn.Module, tokenizer, config: ExperimentConfi
     return evaluate_accuracy(
         build_generator(model, tokenizer, config.engine), data.eval, lambda r: tokenize_prompt(r, tokenizer),
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True), data.task.is_correct,
-        max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
+        max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=eos_token_ids(tokenizer))
 
 
 def run_demo(quick: bool = False, out: str | None = None, seed: int = 0, mode: str = "async") -> float:

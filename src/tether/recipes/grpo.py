@@ -27,6 +27,7 @@ from tether.builders import (
     build_model_and_tokenizer,
     build_prompt_data,
     build_rewards,
+    eos_token_ids,
     seed_everything,
 )
 from tether.config import ExperimentConfig
@@ -101,7 +102,7 @@ def sampling_params(config: ExperimentConfig, tokenizer: Any) -> SamplingParams:
     r = config.rollout
     return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                           max_new_tokens=r.max_new_tokens, n=r.group_size,
-                          stop_token_ids=(tokenizer.eos_token_id,), seed=config.seed)
+                          stop_token_ids=eos_token_ids(tokenizer), seed=config.seed)
 
 
 def build_trainer(config: ExperimentConfig, model: Any) -> PolicyTrainer:
