@@ -21,7 +21,7 @@ from tether.engine.config import EngineConfig
 from tether.engine.engine import LLMEngine
 from tether.engine.types import SamplingParams
 from tether.errors import DataError, TetherError
-from tether.models.checkpoint import load_model
+from tether.models.checkpoint import load_model, read_model_config
 from tether.models.tokenizer import encode_prompt, load_tokenizer
 
 OVERRIDABLE = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
@@ -56,6 +56,7 @@ def build_engine(args: argparse.Namespace, tokenizer: Any) -> LLMEngine:
 
 
 def run_generate(args: argparse.Namespace) -> Path:
+    read_model_config(args.model)  # a bad config.json is named as such, not as a tokenizer failure
     tokenizer = load_tokenizer(args.model)
     records = load_prompts(args.prompts)
     base = {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
