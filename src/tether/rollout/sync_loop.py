@@ -25,8 +25,8 @@ from tether.rollout.buffer import oldest_token_version
 from tether.training.batch import RolloutBatch
 from tether.training.policy import PolicyTrainer
 
-# Batches in a row of which every group fails before a sync run stops with an error (the async
-# driver stops when no group arrives for ``max_wait_s``).
+# Batches in a row of which every group fails before a sync run stops with an error; the async
+# driver stops once this many batches' worth of groups failed and none finished.
 MAX_EMPTY_DRAWS = 3
 
 
