@@ -5,8 +5,10 @@ Components never see ``ExperimentConfig``; these functions are the only place th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,18 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """torch's CPU threads set to ``num_threads`` inside the block (0: left as they are), restored after."""
+    before = torch.get_num_threads()
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def scratch_hf_config(spec: ScratchModelConfig, tokenizer: Any) -> dict[str, Any]:

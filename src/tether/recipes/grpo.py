@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tether.algorithms.registry import ADVANTAGES
 from tether.builders import (
     PromptData,
@@ -29,6 +27,7 @@ from tether.builders import (
     build_rewards,
     eos_token_ids,
     seed_everything,
+    torch_threads,
 )
 from tether.config import ExperimentConfig
 from tether.data.cursor import DataCursor
@@ -271,7 +270,6 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
     progress = make_progress(config.logging.progress, config.trainer.max_steps, "grpo",
                              config.logging.log_every)
     inputs = check_run_inputs(config, model, tokenizer)
-    threads_before = torch.get_num_threads()
     if uses_async_driver(config):
         components: Any = build_async_components(config, model, tokenizer, inputs)
         step_fn: Any = async_rl_step
@@ -279,10 +277,8 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
         components, step_fn = build_components(config, model, tokenizer, inputs), rl_step
     # The trainer's threads (async: its share of the cores; the generator process has the rest).
     trainer_threads = thread_split(config)[0] if config.rollout.mode == "async" else config.trainer.num_threads
-    if trainer_threads > 0:
-        torch.set_num_threads(trainer_threads)
     try:
-        with MetricsWriter(run_dir, progress) as writer:
+        with torch_threads(trainer_threads), MetricsWriter(run_dir, progress) as writer:
             reported: set[str] = set()
             while state.step < config.trainer.max_steps:
                 metrics, samples = step_fn(components, state)
@@ -293,7 +289,6 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
     finally:
         if isinstance(components, AsyncRLComponents):
             components.transport.close()
-        torch.set_num_threads(threads_before)
     final_dir = run_dir / "final"
     save_model(model, final_dir)
     tokenizer.save_pretrained(final_dir)

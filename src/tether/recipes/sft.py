@@ -6,9 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from tether.builders import build_model_and_tokenizer, build_sft_data, seed_everything
+from tether.builders import build_model_and_tokenizer, build_sft_data, seed_everything, torch_threads
 from tether.config import ExperimentConfig
 from tether.data.cursor import DataCursor
 from tether.data.tokenize import SFTExample, tokenize_sft
@@ -53,10 +51,7 @@ def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenize
                          grad_clip=t.grad_clip)
     cursor: DataCursor[SFTExample] = DataCursor(train, seed=config.seed)
     progress = make_progress(config.logging.progress, t.max_steps, "sft", config.logging.log_every)
-    threads_before = torch.get_num_threads()
-    if t.num_threads > 0:
-        torch.set_num_threads(t.num_threads)
-    try:
+    with torch_threads(t.num_threads):
         eval_losses = [(0, trainer.eval_loss(held_out))] if held_out else []
         with MetricsWriter(run_dir, progress) as writer:
             for step in range(1, t.max_steps + 1):
@@ -67,8 +62,6 @@ def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenize
                     metrics["eval/loss"] = trainer.eval_loss(held_out)
                     eval_losses.append((step, metrics["eval/loss"]))
                 writer.log(step, metrics)
-    finally:
-        torch.set_num_threads(threads_before)
     final_dir = run_dir / "final"
     save_model(model, final_dir)
     tokenizer.save_pretrained(final_dir)
