@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import pydantic
+
 from tether.data.records import PreferenceRecord, PromptRecord, SFTRecord
 from tether.errors import ConfigError, DataError
 
@@ -124,7 +126,10 @@ class _ProblemTask:
     def is_correct(self, completion: str, **fields: Any) -> bool:
         if "answer" not in fields:
             raise DataError(f"task '{self.name}' scores against an 'answer' field; the record has none")
-        return exact_match(completion, str(fields["answer"]))
+        return self._matches(completion, str(fields["answer"]))
+
+    def _matches(self, completion: str, answer: str) -> bool:
+        return exact_match(completion, answer)
 
     def reward(self, prompt: str, completion: str, **fields: Any) -> float:
         """1.0 for the exact answer (surrounding whitespace ignored), else 0.0."""
@@ -243,11 +248,9 @@ class CopyTask(_ProblemTask):
         chunks = (text[i : i + self.chunk_size] for i in range(0, len(text), self.chunk_size))
         return "".join(chunk[::-1] for chunk in chunks)
 
-    def is_correct(self, completion: str, **fields: Any) -> bool:
+    def _matches(self, completion: str, answer: str) -> bool:
         """The exact copy: spaces are characters of the alphabet, so none are stripped."""
-        if "answer" not in fields:
-            raise DataError(f"task '{self.name}' scores against an 'answer' field; the record has none")
-        return completion == str(fields["answer"])
+        return completion == answer
 
     def _make(self, rng: random.Random) -> Problem:
         num_chars = rng.randint(self.min_chars, self.max_chars)
@@ -279,19 +282,14 @@ def get_task(name: str, **kwargs: Any) -> Task:
 
 
 def _check_option_types(name: str, cls: type, kwargs: dict[str, Any]) -> None:
-    """``data.task_options`` come untyped from YAML: a bool, int, float or str option must be one."""
+    """``data.task_options`` come untyped from YAML: each must be of its task field's type (pydantic
+    strict mode: no bool for an int, no 2.5 for an int; an int for a float is fine)."""
     hints = typing.get_type_hints(cls)
     for key, value in kwargs.items():
-        kind = hints.get(key)
-        if kind is bool:
-            ok = isinstance(value, bool)
-        elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif kind is str:
-            ok = isinstance(value, str)
-        else:
-            continue
-        if not ok:
-            raise ConfigError(f"data.task_options.{key}: task '{name}' needs {kind.__name__}, got {value!r}")
+        if key not in hints:
+            continue  # an unknown option: the task's own constructor names it
+        try:
+            pydantic.TypeAdapter(hints[key]).validate_python(value, strict=True)
+        except pydantic.ValidationError:
+            kind = getattr(hints[key], "__name__", str(hints[key]))
+            raise ConfigError(f"data.task_options.{key}: task '{name}' needs {kind}, got {value!r}") from None
