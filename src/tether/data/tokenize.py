@@ -29,6 +29,7 @@ on purpose: the model must not learn to stop at an arbitrary truncation point.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -97,7 +98,7 @@ def tokenize_sft(record: SFTRecord, tokenizer: Tokenizer, max_len: int) -> SFTEx
         ids = (tokenize_prompt(record, tokenizer) + [eos])[:max_len]
         return SFTExample(ids, [False] + [True] * (len(ids) - 1), record.index)
     prompt_ids = tokenize_prompt(record, tokenizer)
-    completion_ids = _completion_ids(record, tokenizer, eos)
+    completion_ids = _completion_ids(record, tokenizer, eos, prompt_ids)
     if len(prompt_ids) >= max_len:
         raise DataError(
             f"example {record.index}: prompt is {len(prompt_ids)} tokens, "
@@ -118,11 +119,13 @@ def tokenize_preference(
     return chosen, rejected
 
 
-def _completion_ids(record: SFTRecord, tokenizer: Tokenizer, eos: int) -> list[int]:
+def _completion_ids(record: SFTRecord, tokenizer: Tokenizer, eos: int, prompt_ids: list[int]) -> list[int]:
+    """The completion's tokens (``prompt_ids``: the record's ``tokenize_prompt``)."""
     if isinstance(record.prompt, str):
         if not isinstance(record.completion, str):
             raise DataError(f"example {record.index}: a plain-text prompt needs a plain-text completion")
-        return _continuation_ids(tokenizer, record.prompt, record.completion) + [eos]
+        joint = tokenize_prompt(dataclasses.replace(record, prompt=record.prompt + record.completion), tokenizer)
+        return _continuation_ids(tokenizer, prompt_ids, joint, record.completion) + [eos]
     assert record.completion is not None
     reply = record.completion
     if isinstance(reply, str):
@@ -134,24 +137,22 @@ def _completion_ids(record: SFTRecord, tokenizer: Tokenizer, eos: int) -> list[i
             f"example {record.index}: the chat template does not render the prompt as a prefix of the "
             "conversation, so the assistant reply cannot be located"
         )
-    ids = _continuation_ids(tokenizer, prompt_text, full_text[len(prompt_text) :])
+    ids = _continuation_ids(tokenizer, prompt_ids, _encode(tokenizer, full_text), full_text[len(prompt_text) :])
     if eos in ids:
         last_eos = len(ids) - 1 - ids[::-1].index(eos)
         return ids[: last_eos + 1]
     return ids + [eos]
 
 
-def _continuation_ids(tokenizer: Tokenizer, prompt_text: str, text: str) -> list[int]:
-    """The tokens of ``text`` as they follow ``prompt_text``: ``prompt + text`` encoded in one
-    piece and cut after the prompt's own tokens, when those are a prefix of it. Encoded alone,
-    a SentencePiece-style tokenizer (Llama 2, Mistral: ``Prepend("▁")``) would begin ``text``
-    with a word-start space the data does not have (``"2+2=" + "4"`` -> ``"2+2= 4"``). When the
-    prompt's tokens merge with the text's across the boundary (BPE), the prompt must stay as the
-    engine sees it at generation, so ``text`` is encoded alone."""
-    prompt_ids = _encode(tokenizer, prompt_text)
-    joint = _encode(tokenizer, prompt_text + text)
-    if joint[: len(prompt_ids)] == prompt_ids:
-        return joint[len(prompt_ids) :]
+def _continuation_ids(tokenizer: Tokenizer, prompt_ids: list[int], joint_ids: list[int], text: str) -> list[int]:
+    """The tokens of ``text`` as they follow the prompt: ``joint_ids`` (prompt + text encoded in
+    one piece) cut after ``prompt_ids``, when those are a prefix of it. Encoded alone, a
+    SentencePiece-style tokenizer (Llama 2, Mistral: ``Prepend("▁")``) would begin ``text`` with a
+    word-start space the data does not have (``"2+2=" + "4"`` -> ``"2+2= 4"``). When the prompt's
+    tokens merge with the text's across the boundary (BPE), the prompt must stay as the engine
+    sees it at generation, so ``text`` is encoded alone."""
+    if joint_ids[: len(prompt_ids)] == prompt_ids:
+        return joint_ids[len(prompt_ids) :]
     return _encode(tokenizer, text)
 
 

@@ -78,7 +78,7 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
-        self.max_model_len = _max_model_len(config, model.config.max_position_embeddings)
+        self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)
         blocks_per_seq = -(-self.max_model_len // config.block_size)
         num_blocks = num_kv_blocks_for(
             model, config.block_size, config.num_kv_blocks, config.kv_cache_bytes,
@@ -408,7 +408,9 @@ def _token_ids(prompt_ids: SequenceLike[int]) -> tuple[list[int], str | None]:
     return prompt, None
 
 
-def _max_model_len(config: EngineConfig, max_positions: int) -> int:
+def resolve_max_model_len(config: EngineConfig, max_positions: int) -> int:
+    """Prompt + completion tokens a sequence may hold: ``config.max_model_len``, else the model's
+    ``max_positions``; a ConfigError when that cannot work."""
     max_model_len = config.max_model_len if config.max_model_len is not None else max_positions
     if max_model_len > max_positions:
         raise ConfigError(

@@ -33,6 +33,8 @@ from tether.config import ExperimentConfig
 from tether.data.cursor import DataCursor
 from tether.data.records import PromptRecord
 from tether.data.tokenize import tokenize_prompt
+from tether.engine.config import EngineConfig
+from tether.engine.engine import resolve_max_model_len
 from tether.engine.types import SamplingParams
 from tether.errors import DataError
 from tether.metrics import MetricsWriter
@@ -115,10 +117,8 @@ def build_trainer(config: ExperimentConfig, model: Any) -> PolicyTrainer:
 
 
 def engine_context_len(config: ExperimentConfig, model: Any) -> int:
-    """Prompt + completion tokens the rollout engine holds per sequence (``engine.max_model_len``)."""
-    if config.engine.max_model_len is not None:
-        return config.engine.max_model_len
-    return int(model.config.max_position_embeddings)
+    """Prompt + completion tokens the rollout engine will hold per sequence, as the engine resolves it."""
+    return resolve_max_model_len(EngineConfig(**config.engine.model_dump()), model.config.max_position_embeddings)
 
 
 def rl_prompt_data(config: ExperimentConfig, model: Any, tokenizer: Any) -> tuple[PromptData, list[PromptRecord]]:
