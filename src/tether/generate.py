@@ -70,11 +70,11 @@ def run_generate(args: argparse.Namespace) -> Path:
         raise TetherError(f"command line: {exc}") from None
     params = [request_params(r, base, args.prompts) for r in records]
     out = Path(args.output)
-    _check_writable(out)  # before the generation, not after it: nothing computed is lost to a bad path
-    engine = build_engine(args, tokenizer)
-    completions = engine.generate([encode_prompt(tokenizer, r.prompt) for r in records], params)
     target, is_regular = _output_target(out)
     partial = target.with_name(target.name + ".partial") if is_regular else target
+    _check_writable(out, partial, is_regular)  # before generating: nothing computed is lost to a bad path
+    engine = build_engine(args, tokenizer)
+    completions = engine.generate([encode_prompt(tokenizer, r.prompt) for r in records], params)
     with partial.open("w") as f:
         for c in completions:
             line = {"prompt_index": c.prompt_index, "sample_index": c.sample_index,
@@ -89,20 +89,19 @@ def run_generate(args: argparse.Namespace) -> Path:
     return out
 
 
-def _check_writable(out: Path) -> None:
-    """``--output`` can be created and written (its directory made if missing); one-line error if not."""
+def _check_writable(out: Path, path: Path, is_regular: bool) -> None:
+    """``path`` (what ``--output`` is written through, see ``_output_target``) can be written, its
+    directory made if missing; one-line error if not."""
     if out.is_dir():
         raise TetherError(f"--output {out}: is a directory")
-    target, is_regular = _output_target(out)
     try:
-        if not is_regular:
-            if not os.access(out, os.W_OK):
+        if not is_regular:  # a pipe or terminal: written in place
+            if not os.access(path, os.W_OK):
                 raise PermissionError(13, "Permission denied")
             return
-        target.parent.mkdir(parents=True, exist_ok=True)
-        probe = target.with_name(target.name + ".partial")
-        probe.touch()
-        probe.unlink()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        path.unlink()
     except OSError as exc:
         raise TetherError(f"--output {out}: cannot write there ({exc.strerror or exc})") from None
 

@@ -45,7 +45,6 @@ _YAML12_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-
                 |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
                 |[-+]?\.(?:inf|Inf|INF)
                 |\.(?:nan|NaN|NAN))$""", re.X)
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
 
 
 class _Dumper(yaml.SafeDumper):
@@ -53,7 +52,8 @@ class _Dumper(yaml.SafeDumper):
     config.yaml loads back to the same config."""
 
 
-_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+for _yaml_class in (_Loader, _Dumper):  # the same resolver reads and writes
+    _yaml_class.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
 
 
 def _yaml_load(text: str) -> Any:

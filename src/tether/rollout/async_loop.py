@@ -63,7 +63,6 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
             c.buffer.add(groups)
             last_progress = time.monotonic()
         elif time.monotonic() - last_progress > c.max_wait_s:
-            counters = c.transport.counters
             failed = f"; first failure: {counters.first_failure}" if counters.first_failure else ""
             raise TimeoutError(
                 f"no rollout group finished in {c.max_wait_s:.0f}s (buffer holds {len(c.buffer)}, need "
