@@ -41,14 +41,22 @@ def test_engine_samples_the_same_with_and_without_decode_kv(model_path, num_kv_b
 
 
 def _pool_context(pool: KVCache, span: SeqSpan, length: int) -> torch.Tensor:
-    """Layer 0 keys of ``span``'s first ``length`` tokens, gathered by hand: [Hkv, length, D]."""
+    """Layer 0 keys of ``span``'s first ``length`` tokens, gathered by hand and transposed as
+    ``DecodeKV`` holds them: [Hkv, D, length]."""
     rows = [pool.k[0, span.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE] for p in range(length)]
+    return torch.stack(rows, dim=2)
+
+
+def _pool_values(pool: KVCache, span: SeqSpan, length: int) -> torch.Tensor:
+    """Layer 0 values of ``span``'s first ``length`` tokens: [Hkv, length, D]."""
+    rows = [pool.v[0, span.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE] for p in range(length)]
     return torch.stack(rows, dim=1)
 
 
 def test_assign_keeps_continuing_rows_compacts_and_refills():
     pool = KVCache.allocate(1, 16, BLOCK_SIZE, 2, 8, torch.float32, torch.device("cpu"))
     pool.k.copy_(torch.randn(pool.k.shape))
+    pool.v.copy_(torch.randn(pool.v.shape))
     decode_kv = DecodeKV(pool, max_tokens=1000)
     tables = [[0, 1, 2], [3, 4], [5, 6, 7]]
     spans = [SeqSpan(9, 1, tables[0]), SeqSpan(2, 3, tables[1]), SeqSpan(5, 1, tables[1]),
@@ -57,22 +65,23 @@ def test_assign_keeps_continuing_rows_compacts_and_refills():
     assert order == [0, 2, 3]  # decode rows only (span 1 is a prefill chunk), in slot order
     for slot, row in enumerate(order):  # filled from the pool: the tokens before the new one
         start = spans[row].start
-        assert torch.equal(decode_kv.k[0, slot, :, :start], _pool_context(pool, spans[row], start))
-    marker = decode_kv.k[0, 2].clone()
+        assert torch.equal(decode_kv.k_t[0, slot, ..., :start], _pool_context(pool, spans[row], start))
+        assert torch.equal(decode_kv.v[0, slot, :, :start], _pool_values(pool, spans[row], start))
+    marker = decode_kv.k_t[0, 2].clone()
     # Next step: row 0 finished, the others continue one token further: tables[2] moves to slot 0.
     spans = [SeqSpan(6, 1, tables[1]), SeqSpan(7, 1, tables[2])]
     assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [1, 0]
     assert decode_kv.lengths[:2] == [8, 7]
-    assert torch.equal(decode_kv.k[0, 0], marker)
+    assert torch.equal(decode_kv.k_t[0, 0], marker)
     # A new row joins: the two continuing rows keep their slots, the new one is filled.
     spans = [SeqSpan(7, 1, tables[1]), SeqSpan(3, 1, [8]), SeqSpan(8, 1, tables[2])]
     assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [2, 0, 1]
-    assert torch.equal(decode_kv.k[0, 2, :, :3], _pool_context(pool, spans[1], 3))
+    assert torch.equal(decode_kv.k_t[0, 2, ..., :3], _pool_context(pool, spans[1], 3))
     # A row whose start does not continue its slot (rolled back) is refilled from the pool.
     pool.k[0, 4] += 1.0
     spans = [SeqSpan(5, 1, tables[1])]
     assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [0]
-    assert torch.equal(decode_kv.k[0, 0, :, :5], _pool_context(pool, spans[0], 5))
+    assert torch.equal(decode_kv.k_t[0, 0, ..., :5], _pool_context(pool, spans[0], 5))
 
 
 def test_assign_over_the_memory_cap_falls_back_to_the_pool():

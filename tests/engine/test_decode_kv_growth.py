@@ -15,10 +15,10 @@ def test_slots_grow_to_the_cap_at_once_not_a_block_per_step():
     for start in range(1, 39):
         spans = [SeqSpan(start, 1, table) for table in tables]
         assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [0, 1, 2, 3]
-        if decode_kv.k.data_ptr() != last_ptr:
-            num_reallocations, last_ptr = num_reallocations + 1, decode_kv.k.data_ptr()
-    assert decode_kv.k.shape[1] * decode_kv.k.shape[3] <= 4 * 40
-    assert decode_kv.k.shape[1] == 4  # rows are not doubled when only the slots get longer
+        if decode_kv.v.data_ptr() != last_ptr:
+            num_reallocations, last_ptr = num_reallocations + 1, decode_kv.v.data_ptr()
+    assert decode_kv.num_slots * decode_kv.capacity <= 4 * 40
+    assert decode_kv.num_slots == 4  # rows are not doubled when only the slots get longer
     assert num_reallocations <= 5  # 4 -> 8 -> 16 -> 32 -> 40 tokens, not a block at a time
 
 
@@ -32,5 +32,5 @@ def test_memory_stays_within_the_cap_when_the_batch_narrows_and_lengthens():
         tables = [list(range(i * 8, i * 8 + length // BLOCK_SIZE)) for i in range(num_rows)]
         spans = [SeqSpan(length - 1, 1, table) for table in tables]
         assert decode_kv.assign(spans, pool, BLOCK_SIZE) == list(range(num_rows))
-        assert decode_kv.k.shape[1] * decode_kv.k.shape[3] <= cap, (num_rows, length, decode_kv.k.shape)
-        assert len(decode_kv.tables) == len(decode_kv.lengths) == decode_kv.k.shape[1]
+        assert decode_kv.num_slots * decode_kv.capacity <= cap, (num_rows, length, decode_kv.v.shape)
+        assert len(decode_kv.tables) == len(decode_kv.lengths) == decode_kv.num_slots

@@ -80,7 +80,7 @@ def _layer_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def copy_rows(pools: tuple[torch.Tensor, ...], pairs: list[tuple[int, int]]) -> None:
     """``pool[:, dst] = pool[:, src]`` for each ``(src, dst)`` of ``pairs`` (distinct ``dst``), in
-    contiguous ``[L, N, ...]`` tensors of one shape.
+    contiguous ``[L, N, ...]`` tensors with the same ``L`` and ``N``.
 
     Through the ``[L * N, row]`` view: one ``index_select`` and one ``index_put_`` over whole rows.
     Advanced indexing on dim 1 copied element by element (twice as slow for a GRPO batch's forks)."""
@@ -99,7 +99,12 @@ class DecodeKV:
     Gathering every decode row's whole context out of the pool, per layer and per step, copies far
     more than the step computes (on CPU it cost as much as the attention itself). Instead a sequence
     that keeps decoding owns a slot here: its context is gathered once, then each step appends one
-    key/value per layer, and the decode SDPA reads slots ``[0, S)`` as a strided view, no copy.
+    key/value per layer, and the decode attention reads slots ``[0, S)`` as a strided view, no copy.
+
+    Keys are held transposed (``k_t``: ``[L, R, Hkv, D, C]``, values ``v``: ``[L, R, Hkv, C, D]``):
+    the decode score matmul ``q @ K^T`` with 3 query rows per KV head is memory-bound, and reading
+    K^T with unit stride along the keys ran it at the machine's bandwidth, where the ``[C, D]``
+    layout took ~1.5x as long (128 rows x 256 keys, 2 threads); values are read as ``[C, D]``.
 
     A slot stays valid only while its sequence decodes in consecutive ``assign`` calls (same
     ``block_table`` object, ``start`` equal to the slot's length): any other path that writes its KV
@@ -111,9 +116,8 @@ class DecodeKV:
     def __init__(self, pool: KVCache, max_tokens: int) -> None:
         num_layers, _, _, num_kv_heads, head_dim = pool.k.shape
         self.max_tokens = max_tokens
-        shape = (num_layers, 0, num_kv_heads, 0, head_dim)
-        self.k = pool.k.new_zeros(shape)  # [L, R, Hkv, C, D]
-        self.v = pool.v.new_zeros(shape)
+        self.k_t = pool.k.new_zeros((num_layers, 0, num_kv_heads, head_dim, 0))  # [L, R, Hkv, D, C]
+        self.v = pool.v.new_zeros((num_layers, 0, num_kv_heads, 0, head_dim))  # [L, R, Hkv, C, D]
         self.tables: list[list[int] | None] = []  # [R] each slot's block_table object
         self.lengths: list[int] = []  # [R] tokens held (the slot's next write position)
 
@@ -123,8 +127,17 @@ class DecodeKV:
     def zero_(self) -> None:
         """Drop every slot and zero the copies (their padding is read past a slot's length)."""
         self.clear()
-        self.k.zero_()
+        self.k_t.zero_()
         self.v.zero_()
+
+    @property
+    def num_slots(self) -> int:
+        return self.v.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens each slot holds."""
+        return self.v.shape[3]
 
     def assign(self, spans: list[SeqSpan], pool: KVCache, block_size: int) -> list[int] | None:
         """Give each decode row of the step slot ``i``; returns the rows in slot order (None: over
@@ -165,7 +178,7 @@ class DecodeKV:
     def _reserve(self, num_rows: int, num_tokens: int) -> None:
         """Hold at least ``num_rows`` slots of ``num_tokens`` (doubling, so growth is rare), never more
         than ``max_tokens`` in all (``assign`` guarantees ``num_rows * num_tokens`` fits)."""
-        num_layers, old_rows, num_kv_heads, old_tokens, head_dim = self.k.shape
+        num_layers, old_rows, num_kv_heads, old_tokens, head_dim = self.v.shape
         if num_rows <= old_rows and num_tokens <= old_tokens:
             return
         # Double only the dimension that is short: doubling rows for longer slots halved the tokens
@@ -179,12 +192,12 @@ class DecodeKV:
             # stragglers kept every old row at the new length (many times the cap).
             new_rows = num_rows
             new_tokens = max(num_tokens, self.max_tokens // num_rows)
-        shape = (num_layers, new_rows, num_kv_heads, new_tokens, head_dim)
         kept_rows, kept_tokens = min(old_rows, new_rows), min(old_tokens, new_tokens)
-        for name in ("k", "v"):
-            grown = getattr(self, name).new_zeros(shape)
-            grown[:, :kept_rows, :, :kept_tokens] = getattr(self, name)[:, :kept_rows, :, :kept_tokens]
-            setattr(self, name, grown)
+        k_t = self.k_t.new_zeros((num_layers, new_rows, num_kv_heads, head_dim, new_tokens))
+        k_t[:, :kept_rows, ..., :kept_tokens] = self.k_t[:, :kept_rows, ..., :kept_tokens]
+        v = self.v.new_zeros((num_layers, new_rows, num_kv_heads, new_tokens, head_dim))
+        v[:, :kept_rows, :, :kept_tokens] = self.v[:, :kept_rows, :, :kept_tokens]
+        self.k_t, self.v = k_t, v
         self.tables = (self.tables + [None] * new_rows)[:new_rows]
         self.lengths = (self.lengths + [0] * new_rows)[:new_rows]
         for slot, length in enumerate(self.lengths):
@@ -193,7 +206,7 @@ class DecodeKV:
 
     def _move(self, moves: list[tuple[int, int]]) -> None:
         if moves:
-            copy_rows((self.k, self.v), moves)
+            copy_rows((self.k_t, self.v), moves)
 
     def _fill(self, fills: list[tuple[SeqSpan, int]], pool: KVCache, block_size: int) -> None:
         """Copy each new row's computed context ``[0, start)`` out of the pool, all layers at once."""
@@ -203,17 +216,20 @@ class DecodeKV:
         num_blocks = max(-(-span.start // block_size) for span, _ in fills)
         tables = [span.block_table[:num_blocks] + [0] * (num_blocks - len(span.block_table))
                   for span, _ in fills]
-        ids = torch.tensor(tables, dtype=torch.long, device=self.k.device).view(-1)  # [n * Nb]
+        ids = torch.tensor(tables, dtype=torch.long, device=self.v.device).view(-1)  # [n * Nb]
         width = num_blocks * block_size
         runs = _slot_runs([slot for _, slot in fills])
         rows = _layer_rows(pool.k, ids)  # [L * n * Nb] into the pool viewed [L * NB, ...]
-        for mirror, source in ((self.k, pool.k), (self.v, pool.v)):
+        for mirror, source, is_transposed in ((self.k_t, pool.k, True), (self.v, pool.v, False)):
             num_layers = source.shape[0]
             flat = source.view(num_layers * source.shape[1], *source.shape[2:])  # [L * NB, bs, Hkv, D]
             gathered = flat.index_select(0, rows)  # [L * n * Nb, bs, Hkv, D]
             gathered = gathered.view(num_layers, len(fills), width, *source.shape[3:]).transpose(2, 3)
-            for first, start, length in runs:  # [L, n, Hkv, width, D] into slots in consecutive runs
-                mirror[:, first : first + length, :, :width].copy_(gathered[:, start : start + length])
+            if is_transposed:
+                gathered = gathered.transpose(3, 4)  # [L, n, Hkv, D, width]
+            window = mirror.narrow(4 if is_transposed else 3, 0, width)
+            for first, start, length in runs:  # into slots in consecutive runs
+                window[:, first : first + length].copy_(gathered[:, start : start + length])
 
 
 def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
