@@ -25,6 +25,7 @@ from tether.engine.types import FinishReason, SamplingParams
 # nothing on their own (partial UTF-8), without decoding the whole completion every step.
 _STOP_WINDOW_EXTRA_TOKENS = 8
 _CDF_CHUNK = 256  # tokens per chunk of the two-level inverse-CDF search
+_SAMPLE_ROW_BLOCK = 16  # rows per block of the unfiltered sampler's passes (see _sample_plain)
 
 
 class Detokenizer(Protocol):
@@ -104,16 +105,26 @@ def _sample_plain(logits: torch.Tensor, temperature: float, rngs: list[SampleRNG
     in place whenever the logits are ours to overwrite (``may_overwrite``, or a copy made here by
     ``.float()`` or the division): another [N, V] tensor per step cost ~3 ms of a 40 ms decode
     step (128 x 32000 logits, 2 threads).
+
+    The passes run ``_SAMPLE_ROW_BLOCK`` rows at a time, so that a block's logits (2 MB at a 32k
+    vocabulary) stay in cache from the max to the chunk sums instead of streaming the whole
+    ``[N, V]`` through memory four times: 6.0 -> 4.0 ms per step at 256 rows.
     """
     scaled = logits.float()
-    if temperature != 1.0:  # x / 1.0 == x: skip the pass, as process_logits does
-        scaled = scaled / temperature
-    peak = scaled.amax(dim=-1, keepdim=True)  # [N, 1]
     is_owned = may_overwrite or scaled is not logits
-    shifted = scaled.sub_(peak) if is_owned else scaled - peak  # [N, V] x - max
-    weights = shifted.exp_()  # [N, V] unnormalised probabilities, max 1
+    weights = scaled if is_owned else torch.empty_like(scaled)  # [N, V] unnormalised probabilities
+    num_rows = scaled.shape[0]
+    chunk_sums = scaled.new_empty(num_rows, _num_chunks(scaled.shape[1]))  # [N, C]
+    for first in range(0, num_rows, _SAMPLE_ROW_BLOCK):
+        rows = slice(first, first + _SAMPLE_ROW_BLOCK)
+        block = scaled[rows]
+        if temperature != 1.0:  # x / 1.0 == x: skip the pass, as process_logits does
+            block = torch.div(block, temperature, out=weights[rows])
+        peak = block.amax(dim=-1, keepdim=True)  # [B, 1]
+        torch.sub(block, peak, out=weights[rows]).exp_()  # x - max, then exp: max weight 1
+        chunk_sums[rows] = _chunk_sums(weights[rows])
     uniforms = draw_uniforms(rngs)[:, 0].to(logits.device)  # [N]
-    token_ids, totals = inverse_cdf_with_total(weights, uniforms)  # [N], [N]
+    token_ids, totals = _search(weights, chunk_sums, uniforms)  # [N], [N]
     picked = weights.gather(-1, token_ids[:, None]).squeeze(-1).log() - totals.log()  # [N]
     return SampleResult(token_ids.tolist(), picked.tolist())
 
@@ -125,30 +136,45 @@ def _inverse_cdf(logprobs: torch.Tensor, rngs: list[SampleRNG]) -> torch.Tensor:
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """probs [M, V] (non-negative, need not sum to 1), uniforms [M] in [0, 1) -> LongTensor [M]."""
-    return inverse_cdf_with_total(probs, uniforms)[0]
-
-
-def inverse_cdf_with_total(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """probs [M, V] (non-negative, need not sum to 1), uniforms [M] in [0, 1) -> LongTensor [M].
 
     Two-level search instead of a full ``cumsum`` over the vocabulary (the step's costliest
     elementwise pass): pick a chunk of ``_CDF_CHUNK`` tokens by the CDF of chunk sums, then a token
     by the CDF inside that chunk. Each row is scaled by its own total, so unnormalised rows (a
-    speculative-decoding residual) sample their normalised distribution. Also returns each row's
-    total ``[M]`` (the sum of its probs).
+    speculative-decoding residual) sample their normalised distribution.
     """
+    return _search(probs, _chunk_sums(probs), uniforms)[0]
+
+
+def _num_chunks(vocab_size: int) -> int:
+    return -(-vocab_size // _CDF_CHUNK)
+
+
+def _chunk_sums(probs: torch.Tensor) -> torch.Tensor:
+    """probs [M, V] -> [M, C]: the sum of each chunk of ``_CDF_CHUNK`` tokens (the last may be short)."""
     num_rows, vocab_size = probs.shape
-    num_chunks = -(-vocab_size // _CDF_CHUNK)
-    if num_chunks * _CDF_CHUNK != vocab_size:
-        probs = torch.nn.functional.pad(probs, (0, num_chunks * _CDF_CHUNK - vocab_size))
-    chunks = probs.reshape(num_rows, num_chunks, _CDF_CHUNK)  # [M, C, K]
-    chunk_cdf = chunks.sum(dim=-1).cumsum(dim=-1)  # [M, C]
+    num_full = vocab_size // _CDF_CHUNK
+    full = probs[:, : num_full * _CDF_CHUNK].reshape(num_rows, num_full, _CDF_CHUNK).sum(dim=-1)  # [M, C']
+    if num_full * _CDF_CHUNK == vocab_size:
+        return full
+    return torch.cat([full, probs[:, num_full * _CDF_CHUNK :].sum(dim=-1, keepdim=True)], dim=-1)
+
+
+def _search(probs: torch.Tensor, chunk_sums: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-level inverse-CDF draw of ``inverse_cdf`` given ``_chunk_sums(probs)``; also
+    returns each row's total ``[M]`` (the sum of its probs)."""
+    num_rows, vocab_size = probs.shape
+    num_chunks = chunk_sums.shape[1]
+    chunk_cdf = chunk_sums.cumsum(dim=-1)  # [M, C]
     # 1 - U[0, 1) lies in (0, 1]; scaled by the row's own total it stays inside the CDF.
     target = (1.0 - uniforms.to(probs.dtype)) * chunk_cdf[:, -1]  # [M]
     chunk = torch.searchsorted(chunk_cdf, target[:, None]).clamp_(max=num_chunks - 1)  # [M, 1]
     before = torch.where(chunk > 0, chunk_cdf.gather(-1, (chunk - 1).clamp(min=0)), 0.0)  # [M, 1]
-    inner_cdf = chunks[torch.arange(num_rows, device=probs.device), chunk[:, 0]].cumsum(dim=-1)  # [M, K]
+    # The chosen chunk's tokens [M, K], the short last chunk padded with zero mass.
+    columns = chunk * _CDF_CHUNK + torch.arange(_CDF_CHUNK, device=probs.device)  # [M, K]
+    is_padding = columns >= vocab_size
+    inner_probs = probs.gather(-1, columns.clamp(max=vocab_size - 1)).masked_fill_(is_padding, 0.0)
+    inner_cdf = inner_probs.cumsum(dim=-1)  # [M, K]
     # A positive residual at most the chunk's total lands on a token with positive mass: the
     # first index whose CDF reaches it is where the CDF rose.
     residual = torch.minimum(
