@@ -19,9 +19,11 @@ def model_path(tmp_path_factory):
     return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2", seed=5)
 
 
-def _generate(path, use_decode_kv: bool, num_kv_blocks: int) -> list:
+def _generate(path, use_decode_kv: bool, num_kv_blocks: int, dtype: torch.dtype = torch.float32) -> list:
     config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=24)
-    engine = LLMEngine(load_model(path), config=config)
+    engine = LLMEngine(load_model(path).to(dtype), config=config)
+    # fp32 keys are held transposed for the decode matmuls; bf16 keeps SDPA's layout (fp32 scores)
+    assert engine.runner.decode_kv.keys_transposed == (dtype == torch.float32)
     if not use_decode_kv:
         engine.runner.decode_kv.max_tokens = 0  # every step over the cap: gather from the pool
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 47)), [44], [5, 6, 7, 8, 9, 60]]
@@ -38,6 +40,15 @@ def test_engine_samples_the_same_with_and_without_decode_kv(model_path, num_kv_b
     for a, b in zip(with_copies, gathered):
         assert a.token_ids == b.token_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_bf16_engine_samples_the_same_with_and_without_decode_kv(model_path):
+    with_copies, _ = _generate(model_path, True, 200, torch.bfloat16)
+    gathered, _ = _generate(model_path, False, 200, torch.bfloat16)
+    for a, b in zip(with_copies, gathered):
+        assert a.token_ids == b.token_ids
+        # bf16 rounding: the two paths differed by up to 0.017 before keys were ever transposed
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.05)
 
 
 def _pool_context(pool: KVCache, span: SeqSpan, length: int) -> torch.Tensor:
@@ -65,23 +76,23 @@ def test_assign_keeps_continuing_rows_compacts_and_refills():
     assert order == [0, 2, 3]  # decode rows only (span 1 is a prefill chunk), in slot order
     for slot, row in enumerate(order):  # filled from the pool: the tokens before the new one
         start = spans[row].start
-        assert torch.equal(decode_kv.k_t[0, slot, ..., :start], _pool_context(pool, spans[row], start))
+        assert torch.equal(decode_kv.k[0, slot, ..., :start], _pool_context(pool, spans[row], start))
         assert torch.equal(decode_kv.v[0, slot, :, :start], _pool_values(pool, spans[row], start))
-    marker = decode_kv.k_t[0, 2].clone()
+    marker = decode_kv.k[0, 2].clone()
     # Next step: row 0 finished, the others continue one token further: tables[2] moves to slot 0.
     spans = [SeqSpan(6, 1, tables[1]), SeqSpan(7, 1, tables[2])]
     assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [1, 0]
     assert decode_kv.lengths[:2] == [8, 7]
-    assert torch.equal(decode_kv.k_t[0, 0], marker)
+    assert torch.equal(decode_kv.k[0, 0], marker)
     # A new row joins: the two continuing rows keep their slots, the new one is filled.
     spans = [SeqSpan(7, 1, tables[1]), SeqSpan(3, 1, [8]), SeqSpan(8, 1, tables[2])]
     assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [2, 0, 1]
-    assert torch.equal(decode_kv.k_t[0, 2, ..., :3], _pool_context(pool, spans[1], 3))
+    assert torch.equal(decode_kv.k[0, 2, ..., :3], _pool_context(pool, spans[1], 3))
     # A row whose start does not continue its slot (rolled back) is refilled from the pool.
     pool.k[0, 4] += 1.0
     spans = [SeqSpan(5, 1, tables[1])]
     assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [0]
-    assert torch.equal(decode_kv.k_t[0, 0, ..., :5], _pool_context(pool, spans[0], 5))
+    assert torch.equal(decode_kv.k[0, 0, ..., :5], _pool_context(pool, spans[0], 5))
 
 
 def test_assign_over_the_memory_cap_falls_back_to_the_pool():

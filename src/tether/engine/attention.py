@@ -239,20 +239,10 @@ class PagedAttention:
         """Write the decode rows' new k/v ``[T, Hkv, D]`` into their slots; their keys transposed
         ``[S, Hkv, D, Lk]`` and values ``[S, Hkv, Lk, D]`` as views of the slots ``[0, S)``."""
         assert self.decode_kv is not None and group.decode_kv_positions is not None
-        num_rows, num_keys = group.num_rows, group.mask.shape[-1]
+        num_keys = group.mask.shape[-1]
         index = group.query_index.view(-1)  # [S] each row's token in the step
-        k_rows, v_rows = self.decode_kv.k_t[layer_idx], self.decode_kv.v[layer_idx]  # contiguous
-        _, num_kv_heads, capacity, head_dim = v_rows.shape  # [R, Hkv, C, D]
-        # Row (slot i, head h, position p) of the [R * Hkv * C, D] view: one index_copy_ per tensor
-        # (advanced indexing with two index tensors took ~10 % longer).
-        heads = torch.arange(num_kv_heads, device=k.device)  # [Hkv]
-        slots = torch.arange(num_rows, device=k.device)[:, None]  # [S, 1]
-        flat = ((slots * num_kv_heads + heads) * capacity + group.decode_kv_positions[:, None]).view(-1)
-        v_rows.view(-1, head_dim).index_copy_(0, flat, v[index].to(v_rows.dtype).view(-1, head_dim))
-        # K^T: the new key is column p of the slot's [D, C] matrix. Indexing slots and positions
-        # writes it in 0.05 ms (128 rows); an index_copy_ of single elements took 2.7x as long.
-        k_rows[slots[:, 0], :, :, group.decode_kv_positions] = k[index].to(k_rows.dtype)  # [S, Hkv, D]
-        return k_rows[:num_rows, ..., :num_keys], v_rows[:num_rows, :, :num_keys]
+        keys_t, values = self.decode_kv.write(layer_idx, k[index], v[index], group.decode_kv_positions)
+        return keys_t[..., :num_keys], values[:, :, :num_keys]
 
 
 def _gather(pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -271,16 +261,16 @@ def _attend_decode(
     queries = q[group.query_index.view(-1)]  # [S, Hq, D]
     # Query head h reads KV head h // G, so the G heads of a group are G queries of one KV head.
     queries = queries.view(num_rows, num_kv_heads, -1, head_dim).to(keys_t.dtype)  # [S, Hkv, G, D]
-    is_cpu_fp32 = keys_t.device.type == "cpu" and keys_t.dtype == torch.float32
-    if keys_t.stride(-1) == 1 or (is_cpu_fp32 and num_keys <= _MAX_KEYS_MATMUL_DECODE):
+    is_fp32 = keys_t.dtype == torch.float32  # bf16/fp16 scores would lose precision: SDPA keeps fp32
+    is_short_on_cpu = keys_t.device.type == "cpu" and num_keys <= _MAX_KEYS_MATMUL_DECODE
+    if is_fp32 and (keys_t.stride(-1) == 1 or is_short_on_cpu):
         # Two batched matmuls and a softmax beat SDPA's CPU kernel: for short contexts its
         # per-(row, head) set-up dominates a 2 x 16 score tile (1.3-1.8x at 16-32 keys, even at
         # 128); for long ones, reading K^T with unit stride keeps the memory-bound score matmul at
         # the machine's bandwidth (~15 % faster than SDPA at 128 rows x 256 keys). Scaling the
-        # queries, not the scores, saves a pass over [S, Hkv, G, Lk]; the softmax runs in fp32
-        # whatever the KV dtype, as SDPA's does.
+        # queries, not the scores, saves a pass over [S, Hkv, G, Lk].
         scores = torch.matmul(queries * head_dim**-0.5, keys_t).add_(mask)  # [S, Hkv, G, Lk]
-        out = torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype), values)
+        out = torch.matmul(scores.softmax(dim=-1), values)  # [S, Hkv, G, D]
     else:
         keys = keys_t.transpose(-1, -2)  # [S, Hkv, Lk, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [S, Hkv, G, D]

@@ -101,10 +101,12 @@ class DecodeKV:
     that keeps decoding owns a slot here: its context is gathered once, then each step appends one
     key/value per layer, and the decode attention reads slots ``[0, S)`` as a strided view, no copy.
 
-    Keys are held transposed (``k_t``: ``[L, R, Hkv, D, C]``, values ``v``: ``[L, R, Hkv, C, D]``):
-    the decode score matmul ``q @ K^T`` with 3 query rows per KV head is memory-bound, and reading
-    K^T with unit stride along the keys ran it at the machine's bandwidth, where the ``[C, D]``
-    layout took ~1.5x as long (128 rows x 256 keys, 2 threads); values are read as ``[C, D]``.
+    Values are ``v``: ``[L, R, Hkv, C, D]``. fp32 keys are held transposed (``k``: ``[L, R, Hkv, D,
+    C]``, ``keys_transposed``): the decode score matmul ``q @ K^T`` with 3 query rows per KV head is
+    memory-bound, and reading K^T with unit stride along the keys ran it at the machine's bandwidth,
+    where the ``[C, D]`` layout took ~1.5x as long (128 rows x 256 keys, 2 threads). Other dtypes
+    keep ``[C, D]`` keys and attend through SDPA, which scores in fp32 (a bf16 matmul would round
+    the scores); handed a transposed view, SDPA's CPU kernel moved bf16 greedy log-probs by ~0.02.
 
     A slot stays valid only while its sequence decodes in consecutive ``assign`` calls (same
     ``block_table`` object, ``start`` equal to the slot's length): any other path that writes its KV
@@ -116,8 +118,9 @@ class DecodeKV:
     def __init__(self, pool: KVCache, max_tokens: int) -> None:
         num_layers, _, _, num_kv_heads, head_dim = pool.k.shape
         self.max_tokens = max_tokens
-        self.k_t = pool.k.new_zeros((num_layers, 0, num_kv_heads, head_dim, 0))  # [L, R, Hkv, D, C]
+        self.keys_transposed = pool.k.dtype == torch.float32
         self.v = pool.v.new_zeros((num_layers, 0, num_kv_heads, 0, head_dim))  # [L, R, Hkv, C, D]
+        self.k = pool.k.new_zeros(self._key_shape(0, 0))  # [L, R, Hkv, D, C] or [L, R, Hkv, C, D]
         self.tables: list[list[int] | None] = []  # [R] each slot's block_table object
         self.lengths: list[int] = []  # [R] tokens held (the slot's next write position)
 
@@ -127,8 +130,43 @@ class DecodeKV:
     def zero_(self) -> None:
         """Drop every slot and zero the copies (their padding is read past a slot's length)."""
         self.clear()
-        self.k_t.zero_()
+        self.k.zero_()
         self.v.zero_()
+
+    def _key_shape(self, num_rows: int, num_tokens: int) -> tuple[int, ...]:
+        num_layers, _, num_kv_heads, _, head_dim = self.v.shape
+        inner = (head_dim, num_tokens) if self.keys_transposed else (num_tokens, head_dim)
+        return (num_layers, num_rows, num_kv_heads, *inner)
+
+    @property
+    def _key_tokens_dim(self) -> int:
+        return 4 if self.keys_transposed else 3
+
+    def write(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append slot i's new key/value ``k[i]``, ``v[i]`` (``[S, Hkv, D]``) at ``positions[i]``
+        in layer ``layer_idx``; returns slots ``[0, S)`` as views over their ``C`` positions: keys
+        transposed ``[S, Hkv, D, C]`` (a strided view unless ``keys_transposed``), values
+        ``[S, Hkv, C, D]``."""
+        num_rows = k.shape[0]
+        k_rows, v_rows = self.k[layer_idx], self.v[layer_idx]  # contiguous
+        _, num_kv_heads, capacity, head_dim = v_rows.shape
+        # Row (slot i, head h, position p) of the [R * Hkv * C, D] view: one index_copy_ per tensor
+        # (advanced indexing with two index tensors took ~10 % longer).
+        heads = torch.arange(num_kv_heads, device=k.device)  # [Hkv]
+        slots = torch.arange(num_rows, device=k.device)  # [S]
+        flat = ((slots[:, None] * num_kv_heads + heads) * capacity + positions[:, None]).view(-1)
+        v_rows.view(-1, head_dim).index_copy_(0, flat, v.to(v_rows.dtype).view(-1, head_dim))
+        if self.keys_transposed:
+            # The new key is column p of the slot's [D, C] matrix. Indexing slots and positions
+            # writes it in 0.05 ms (128 rows); an index_copy_ of single elements took 2.7x as long.
+            k_rows[slots, :, :, positions] = k.to(k_rows.dtype)  # [S, Hkv, D]
+            keys_t = k_rows[:num_rows]
+        else:
+            k_rows.view(-1, head_dim).index_copy_(0, flat, k.to(k_rows.dtype).view(-1, head_dim))
+            keys_t = k_rows[:num_rows].transpose(-1, -2)
+        return keys_t, v_rows[:num_rows]
 
     @property
     def num_slots(self) -> int:
@@ -193,11 +231,13 @@ class DecodeKV:
             new_rows = num_rows
             new_tokens = max(num_tokens, self.max_tokens // num_rows)
         kept_rows, kept_tokens = min(old_rows, new_rows), min(old_tokens, new_tokens)
-        k_t = self.k_t.new_zeros((num_layers, new_rows, num_kv_heads, head_dim, new_tokens))
-        k_t[:, :kept_rows, ..., :kept_tokens] = self.k_t[:, :kept_rows, ..., :kept_tokens]
+        k = self.k.new_zeros(self._key_shape(new_rows, new_tokens))
+        k_dim = self._key_tokens_dim
+        k.narrow(1, 0, kept_rows).narrow(k_dim, 0, kept_tokens).copy_(
+            self.k.narrow(1, 0, kept_rows).narrow(k_dim, 0, kept_tokens))
         v = self.v.new_zeros((num_layers, new_rows, num_kv_heads, new_tokens, head_dim))
         v[:, :kept_rows, :, :kept_tokens] = self.v[:, :kept_rows, :, :kept_tokens]
-        self.k_t, self.v = k_t, v
+        self.k, self.v = k, v
         self.tables = (self.tables + [None] * new_rows)[:new_rows]
         self.lengths = (self.lengths + [0] * new_rows)[:new_rows]
         for slot, length in enumerate(self.lengths):
@@ -206,7 +246,7 @@ class DecodeKV:
 
     def _move(self, moves: list[tuple[int, int]]) -> None:
         if moves:
-            copy_rows((self.k_t, self.v), moves)
+            copy_rows((self.k, self.v), moves)
 
     def _fill(self, fills: list[tuple[SeqSpan, int]], pool: KVCache, block_size: int) -> None:
         """Copy each new row's computed context ``[0, start)`` out of the pool, all layers at once."""
@@ -220,7 +260,7 @@ class DecodeKV:
         width = num_blocks * block_size
         runs = _slot_runs([slot for _, slot in fills])
         rows = _layer_rows(pool.k, ids)  # [L * n * Nb] into the pool viewed [L * NB, ...]
-        for mirror, source, is_transposed in ((self.k_t, pool.k, True), (self.v, pool.v, False)):
+        for mirror, source, is_transposed in ((self.k, pool.k, self.keys_transposed), (self.v, pool.v, False)):
             num_layers = source.shape[0]
             flat = source.view(num_layers * source.shape[1], *source.shape[2:])  # [L * NB, bs, Hkv, D]
             gathered = flat.index_select(0, rows)  # [L * n * Nb, bs, Hkv, D]
