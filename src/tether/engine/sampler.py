@@ -108,7 +108,8 @@ def _sample_plain(logits: torch.Tensor, temperature: float, rngs: list[SampleRNG
 
     The passes run ``_SAMPLE_ROW_BLOCK`` rows at a time, so that a block's logits (2 MB at a 32k
     vocabulary) stay in cache from the max to the chunk sums instead of streaming the whole
-    ``[N, V]`` through memory four times: 6.0 -> 4.0 ms per step at 256 rows.
+    ``[N, V]`` through memory four times: 6.5 -> 5.2 ms per step at 256 x 32000, no change at 128
+    rows (their 16 MB of logits already stay in cache).
     """
     scaled = logits.float()
     is_owned = may_overwrite or scaled is not logits
