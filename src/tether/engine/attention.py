@@ -18,12 +18,12 @@ copies decode rows read) lives in ``tether.engine.kv_cache``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from tether.engine.kv_cache import DecodeKV, KVCache
+from tether.engine.kv_cache import DecodeKV, KVCache, SlotWrites
 
 # Padding-aware grouping: split a group of rows only if it has this many rows and the split leaves
 # at most this fraction of the padded area (each extra group costs one more SDPA call per layer).
@@ -207,6 +207,7 @@ class PagedAttention:
     meta: StepMetadata
     sliding_window_layers: tuple[int, ...] = ()  # layers that use the group's window_mask
     decode_kv: DecodeKV | None = None  # holds the decode group's KV when it has ``decode_kv_positions``
+    _slot_writes: SlotWrites | None = field(default=None, init=False)  # the first layer's, for all
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[1, T, Hq, D]``, k/v ``[1, T, Hkv, D]`` -> ``[1, T, Hq, D]``."""
@@ -241,7 +242,9 @@ class PagedAttention:
         assert self.decode_kv is not None and group.decode_kv_positions is not None
         num_keys = group.mask.shape[-1]
         index = group.query_index.view(-1)  # [S] each row's token in the step
-        keys_t, values = self.decode_kv.write(layer_idx, k[index], v[index], group.decode_kv_positions)
+        if self._slot_writes is None:
+            self._slot_writes = self.decode_kv.slot_writes(group.decode_kv_positions)
+        keys_t, values = self.decode_kv.write(layer_idx, k[index], v[index], self._slot_writes)
         return keys_t[..., :num_keys], values[:, :, :num_keys]
 
 

@@ -93,6 +93,20 @@ def copy_rows(pools: tuple[torch.Tensor, ...], pairs: list[tuple[int, int]]) -> 
         flat.index_put_((dst_rows,), flat.index_select(0, src_rows))
 
 
+@dataclass(frozen=True, slots=True)
+class SlotWrites:
+    """Where a step's decode rows write their new token in ``DecodeKV`` (``DecodeKV.slot_writes``)."""
+
+    slots: torch.Tensor  # [S] 0..S-1
+    positions: torch.Tensor  # [S] each slot's new-token position
+    rows: torch.Tensor  # [S * Hkv] (slot, head, position) rows of a layer's copy viewed [R * Hkv * C, D]
+
+
+def _tokens_dim(is_transposed: bool) -> int:
+    """The token axis of a ``[L, R, Hkv, C, D]`` (or transposed ``[L, R, Hkv, D, C]``) copy."""
+    return 4 if is_transposed else 3
+
+
 class DecodeKV:
     """Contiguous per-sequence copies of the KV of decode rows, kept across steps.
 
@@ -119,8 +133,9 @@ class DecodeKV:
         num_layers, _, _, num_kv_heads, head_dim = pool.k.shape
         self.max_tokens = max_tokens
         self.keys_transposed = pool.k.dtype == torch.float32
-        self.v = pool.v.new_zeros((num_layers, 0, num_kv_heads, 0, head_dim))  # [L, R, Hkv, C, D]
-        self.k = pool.k.new_zeros(self._key_shape(0, 0))  # [L, R, Hkv, D, C] or [L, R, Hkv, C, D]
+        self._dims = (num_layers, num_kv_heads, head_dim)
+        self.k = pool.k.new_zeros(self._shape(0, 0, self.keys_transposed))  # [L, R, Hkv, D, C] or [.., C, D]
+        self.v = pool.v.new_zeros(self._shape(0, 0, False))  # [L, R, Hkv, C, D]
         self.tables: list[list[int] | None] = []  # [R] each slot's block_table object
         self.lengths: list[int] = []  # [R] tokens held (the slot's next write position)
 
@@ -133,38 +148,43 @@ class DecodeKV:
         self.k.zero_()
         self.v.zero_()
 
-    def _key_shape(self, num_rows: int, num_tokens: int) -> tuple[int, ...]:
-        num_layers, _, num_kv_heads, _, head_dim = self.v.shape
-        inner = (head_dim, num_tokens) if self.keys_transposed else (num_tokens, head_dim)
+    def _shape(self, num_rows: int, num_tokens: int, is_transposed: bool) -> tuple[int, ...]:
+        num_layers, num_kv_heads, head_dim = self._dims
+        inner = (head_dim, num_tokens) if is_transposed else (num_tokens, head_dim)
         return (num_layers, num_rows, num_kv_heads, *inner)
 
-    @property
-    def _key_tokens_dim(self) -> int:
-        return 4 if self.keys_transposed else 3
+    def _copies(self) -> tuple[tuple[str, bool], ...]:
+        """(attribute, whether its token axis is last) of the key and value copies."""
+        return (("k", self.keys_transposed), ("v", False))
 
-    def write(
-        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append slot i's new key/value ``k[i]``, ``v[i]`` (``[S, Hkv, D]``) at ``positions[i]``
-        in layer ``layer_idx``; returns slots ``[0, S)`` as views over their ``C`` positions: keys
-        transposed ``[S, Hkv, D, C]`` (a strided view unless ``keys_transposed``), values
-        ``[S, Hkv, C, D]``."""
-        num_rows = k.shape[0]
-        k_rows, v_rows = self.k[layer_idx], self.v[layer_idx]  # contiguous
-        _, num_kv_heads, capacity, head_dim = v_rows.shape
+    def slot_writes(self, positions: torch.Tensor) -> SlotWrites:
+        """Where ``write`` puts slot i's new token, at ``positions[i]``: computed once per step,
+        used by every layer."""
+        num_kv_heads, capacity = self._dims[1], self.capacity
+        slots = torch.arange(positions.shape[0], device=positions.device)  # [S]
+        heads = torch.arange(num_kv_heads, device=positions.device)  # [Hkv]
         # Row (slot i, head h, position p) of the [R * Hkv * C, D] view: one index_copy_ per tensor
         # (advanced indexing with two index tensors took ~10 % longer).
-        heads = torch.arange(num_kv_heads, device=k.device)  # [Hkv]
-        slots = torch.arange(num_rows, device=k.device)  # [S]
-        flat = ((slots[:, None] * num_kv_heads + heads) * capacity + positions[:, None]).view(-1)
-        v_rows.view(-1, head_dim).index_copy_(0, flat, v.to(v_rows.dtype).view(-1, head_dim))
+        rows = ((slots[:, None] * num_kv_heads + heads) * capacity + positions[:, None]).view(-1)
+        return SlotWrites(slots, positions, rows)
+
+    def write(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, where: SlotWrites
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append slot i's new key/value ``k[i]``, ``v[i]`` (``[S, Hkv, D]``) in layer
+        ``layer_idx`` where ``where`` says; returns slots ``[0, S)`` as views over their ``C``
+        positions: keys transposed ``[S, Hkv, D, C]`` (a strided view unless ``keys_transposed``),
+        values ``[S, Hkv, C, D]``."""
+        num_rows, head_dim = k.shape[0], k.shape[-1]
+        k_rows, v_rows = self.k[layer_idx], self.v[layer_idx]  # contiguous
+        v_rows.view(-1, head_dim).index_copy_(0, where.rows, v.to(v_rows.dtype).view(-1, head_dim))
         if self.keys_transposed:
             # The new key is column p of the slot's [D, C] matrix. Indexing slots and positions
             # writes it in 0.05 ms (128 rows); an index_copy_ of single elements took 2.7x as long.
-            k_rows[slots, :, :, positions] = k.to(k_rows.dtype)  # [S, Hkv, D]
+            k_rows[where.slots, :, :, where.positions] = k.to(k_rows.dtype)  # [S, Hkv, D]
             keys_t = k_rows[:num_rows]
         else:
-            k_rows.view(-1, head_dim).index_copy_(0, flat, k.to(k_rows.dtype).view(-1, head_dim))
+            k_rows.view(-1, head_dim).index_copy_(0, where.rows, k.to(k_rows.dtype).view(-1, head_dim))
             keys_t = k_rows[:num_rows].transpose(-1, -2)
         return keys_t, v_rows[:num_rows]
 
@@ -216,7 +236,7 @@ class DecodeKV:
     def _reserve(self, num_rows: int, num_tokens: int) -> None:
         """Hold at least ``num_rows`` slots of ``num_tokens`` (doubling, so growth is rare), never more
         than ``max_tokens`` in all (``assign`` guarantees ``num_rows * num_tokens`` fits)."""
-        num_layers, old_rows, num_kv_heads, old_tokens, head_dim = self.v.shape
+        _, old_rows, _, old_tokens, _ = self.v.shape
         if num_rows <= old_rows and num_tokens <= old_tokens:
             return
         # Double only the dimension that is short: doubling rows for longer slots halved the tokens
@@ -231,13 +251,12 @@ class DecodeKV:
             new_rows = num_rows
             new_tokens = max(num_tokens, self.max_tokens // num_rows)
         kept_rows, kept_tokens = min(old_rows, new_rows), min(old_tokens, new_tokens)
-        k = self.k.new_zeros(self._key_shape(new_rows, new_tokens))
-        k_dim = self._key_tokens_dim
-        k.narrow(1, 0, kept_rows).narrow(k_dim, 0, kept_tokens).copy_(
-            self.k.narrow(1, 0, kept_rows).narrow(k_dim, 0, kept_tokens))
-        v = self.v.new_zeros((num_layers, new_rows, num_kv_heads, new_tokens, head_dim))
-        v[:, :kept_rows, :, :kept_tokens] = self.v[:, :kept_rows, :, :kept_tokens]
-        self.k, self.v = k, v
+        for name, is_transposed in self._copies():
+            old, dim = getattr(self, name), _tokens_dim(is_transposed)
+            grown = old.new_zeros(self._shape(new_rows, new_tokens, is_transposed))
+            grown.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens).copy_(
+                old.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens))
+            setattr(self, name, grown)
         self.tables = (self.tables + [None] * new_rows)[:new_rows]
         self.lengths = (self.lengths + [0] * new_rows)[:new_rows]
         for slot, length in enumerate(self.lengths):
@@ -260,14 +279,14 @@ class DecodeKV:
         width = num_blocks * block_size
         runs = _slot_runs([slot for _, slot in fills])
         rows = _layer_rows(pool.k, ids)  # [L * n * Nb] into the pool viewed [L * NB, ...]
-        for mirror, source, is_transposed in ((self.k, pool.k, self.keys_transposed), (self.v, pool.v, False)):
+        for (name, is_transposed), source in zip(self._copies(), (pool.k, pool.v)):
             num_layers = source.shape[0]
             flat = source.view(num_layers * source.shape[1], *source.shape[2:])  # [L * NB, bs, Hkv, D]
             gathered = flat.index_select(0, rows)  # [L * n * Nb, bs, Hkv, D]
             gathered = gathered.view(num_layers, len(fills), width, *source.shape[3:]).transpose(2, 3)
             if is_transposed:
                 gathered = gathered.transpose(3, 4)  # [L, n, Hkv, D, width]
-            window = mirror.narrow(4 if is_transposed else 3, 0, width)
+            window = getattr(self, name).narrow(_tokens_dim(is_transposed), 0, width)
             for first, start, length in runs:  # into slots in consecutive runs
                 window[:, first : first + length].copy_(gathered[:, start : start + length])
 
