@@ -32,10 +32,13 @@ def test_engine_bench_prints_rates_and_ratios() -> None:
     tether_rate = rates["tether LLMEngine (mixed budgets)"][1]
     expected = tether_rate / rates["transformers generate (mixed budgets)"][1]
     assert abs(float(ratios["generate (mixed budgets)"]) - expected) <= 0.01 * expected + 0.01
-    flops = re.search(r"decode achieved (\d+\.\d+) GFLOP/s vs fp32 matmul (\d+\.\d+) GFLOP/s: "
+    flops = re.search(r"decode achieved (\d+\.\d+) GFLOP/s vs fp32 matmul (\d+\.\d+) GFLOP/s \(the highest "
+                      r"of (\d+\.\d+) at the start, (\d+\.\d+) before and (\d+\.\d+) after these steps\): "
                       r"ratio (\d+\.\d+)", out)
     assert flops is not None, out
-    assert float(flops.group(2)) > 0
+    reference = float(flops.group(2))
+    assert reference > 0 and reference == max(float(flops.group(i)) for i in (3, 4, 5))
+    assert abs(float(flops.group(6)) - float(flops.group(1)) / reference) <= 0.01
     assert len(re.findall(r"^decode at batch \d+", out, re.MULTILINE)) == 2  # the bench's batch and twice it
     # The roofline is a bound no engine beats, and the 10x line is ten transformers' rate over it.
     roof = re.search(r"^roofline \(mixed budgets\): (\d+\.\d+) GFLOP at (\d+\.\d+) GFLOP/s allow at most "

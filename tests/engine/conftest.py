@@ -1,6 +1,7 @@
-"""Every engine test runs with the CPU-packed vocabulary projection on (``cpu_kernels``), which by
-default only serves projections of 8 MB or more, far larger than the tests' tiny checkpoints; the
-plain MKL path is what the rest of the suite (rollout, training, demo) runs."""
+"""Every engine test runs with the CPU-packed linears on (``cpu_kernels``): by default the vocabulary
+projection is only packed from 8 MB on and the layers' linears only where a timing finds oneDNN
+faster, which the tests' tiny checkpoints never reach; the plain MKL path is what the rest of the
+suite (rollout, training, demo) runs."""
 
 import pytest
 
@@ -8,5 +9,6 @@ from tether.engine import cpu_kernels
 
 
 @pytest.fixture(autouse=True)
-def pack_every_lm_head(monkeypatch):
+def pack_every_linear(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "MIN_PACKED_BYTES", 0)
+    monkeypatch.setattr(cpu_kernels, "MIN_SPEEDUP", 0.0)

@@ -1,29 +1,77 @@
-"""``PackedLinear`` (oneDNN-reordered vocabulary projection on CPU) against plain ``F.linear``, alone
-and inside the engine."""
+"""``PackedLinear`` / ``PackedWeights`` (oneDNN-reordered linear weights on CPU) against plain
+``nn.Linear``, alone and inside the engine."""
 
 from __future__ import annotations
+
+import copy
+import io
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from helpers.hf_tiny import make_hf_checkpoint
 from helpers.reference import assert_same_completions
-from tether.engine import EngineConfig, LLMEngine, SamplingParams
-from tether.engine.cpu_kernels import PackedLinear, is_onednn_linear_available, is_worth_packing
+from tether.engine import EngineConfig, LLMEngine, SamplingParams, cpu_kernels
+from tether.engine.cpu_kernels import (
+    PackedLinear,
+    PackedWeights,
+    is_onednn_linear_available,
+    is_worth_packing,
+    pack_linears,
+)
+from tether.errors import ConfigError
 from tether.models import load_model
 
 pytestmark = pytest.mark.skipif(
-    not is_onednn_linear_available(torch.zeros(1)), reason="this torch build has no oneDNN linear"
+    not is_onednn_linear_available(torch.zeros(8, 8)), reason="this torch build has no oneDNN linear"
 )
 
 
+class TwoLinears(nn.Module):
+    """A stand-in decoder: a layer linear with a bias, then a bias-free vocabulary projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 48)
+        self.lm_head = nn.Linear(48, 300, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.proj(x)))
+
+
+def packed_model(seed: int = 0) -> tuple[TwoLinears, PackedWeights]:
+    torch.manual_seed(seed)
+    model = TwoLinears()
+    return model, pack_linears(model, is_lm_head_packed=True, layer_mode="always")
+
+
+def plain_forward(model: TwoLinears, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(torch.tanh(F.linear(x, model.proj.weight, model.proj.bias)), model.lm_head.weight)
+
+
 @pytest.mark.parametrize("num_rows", [1, 2, 7, 64])
-def test_packed_linear_equals_linear(num_rows):
-    torch.manual_seed(0)
-    weight = torch.randn(1000, 48)
-    x = torch.randn(num_rows, 48)
-    torch.testing.assert_close(PackedLinear()(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+def test_packed_linears_equal_linear(num_rows):
+    model, packed = packed_model()
+    assert isinstance(model.proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+    assert len(packed) == 2
+    x = torch.randn(3, num_rows, 32)  # leading dims are kept
+    with torch.inference_mode(), packed.serving():
+        out = model(x)
+    torch.testing.assert_close(out, plain_forward(model, x), atol=1e-5, rtol=1e-5)
+    assert packed.num_reorders == 2
+
+
+def test_packed_linear_is_plain_linear_outside_serving():
+    """Training and any forward outside an engine step use the parameters themselves: gradients flow."""
+    model, packed = packed_model()
+    with torch.inference_mode(), packed.serving():
+        model(torch.randn(4, 32))
+    x = torch.randn(4, 32)
+    model(x).sum().backward()
+    assert model.proj.weight.grad is not None and model.lm_head.weight.grad is not None
+    assert [name for name, _ in model.named_parameters()] == ["proj.weight", "proj.bias", "lm_head.weight"]
 
 
 def _fused_adamw_step(weight: torch.nn.Parameter) -> None:
@@ -40,56 +88,121 @@ CHANGES = {
 }
 
 
+@pytest.mark.parametrize("which", ["proj", "lm_head"])
 @pytest.mark.parametrize("change", list(CHANGES))
-def test_packed_linear_follows_every_kind_of_weight_change(change):
-    torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(300, 32))
+def test_packed_weights_follow_every_kind_of_weight_change(change, which):
+    model, packed = packed_model()
     x = torch.randn(5, 32)
-    packed = PackedLinear()
-    packed(x, weight), packed(x, weight)
-    assert packed.num_reorders == 1  # calls alone never reorder again
+    for _ in range(2):
+        with torch.inference_mode(), packed.serving():
+            model(x)
+    assert packed.num_reorders == 2  # steps alone never reorder again
     with torch.no_grad():
-        CHANGES[change](weight)
-    torch.testing.assert_close(packed(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+        CHANGES[change](getattr(model, which).weight)
+    with torch.inference_mode(), packed.serving():
+        out = model(x)
+    torch.testing.assert_close(out, plain_forward(model, x), atol=1e-5, rtol=1e-5)
+    assert packed.num_reorders == 3  # only the changed weight
+
+
+def test_packed_weights_follow_two_storage_swaps_and_a_new_parameter():
+    """A freed storage's address can come back for the next tensor: the copy's source is held."""
+    model, packed = packed_model()
+    x = torch.randn(5, 32)
+    with torch.inference_mode(), packed.serving():
+        model(x)
+    for _ in range(2):
+        model.lm_head.weight.data = torch.randn(300, 48)
+    model.proj.weight = nn.Parameter(torch.randn(48, 32))  # e.g. a checkpoint loaded by assignment
+    with torch.inference_mode(), packed.serving():
+        out = model(x)
+    torch.testing.assert_close(out, plain_forward(model, x), atol=1e-5, rtol=1e-5)
+
+
+def test_nan_weights_are_packed_once():
+    """Change detection compares bits: NaN entries equal themselves, so no reorder every step."""
+    model, packed = packed_model()
+    with torch.no_grad():
+        model.proj.weight[0, 0] = float("nan")
+    for _ in range(3):
+        with torch.inference_mode(), packed.serving():
+            model(torch.randn(2, 32))
     assert packed.num_reorders == 2
 
 
-def test_packed_linear_follows_two_storage_swaps_and_a_new_parameter():
-    """A freed storage's address can come back for the next tensor: the copy's source is held."""
+def test_a_packed_model_copies_and_pickles_without_its_copies():
+    model, packed = packed_model()
+    with packed.serving():  # while the modules hold their copies
+        with torch.inference_mode():
+            model(torch.randn(2, 32))
+        clone = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(3, 32)
+    for other in (clone, loaded):
+        torch.testing.assert_close(other(x), model(x))  # plain nn.Linear: no engine serves them
+
+
+def test_pack_linears_modes():
     torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(300, 32))
-    x = torch.randn(5, 32)
-    packed = PackedLinear()
-    packed(x, weight)
-    for _ in range(2):
-        weight.data = torch.randn(300, 32)
-    torch.testing.assert_close(packed(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
-    other = torch.nn.Parameter(torch.randn(300, 32))  # e.g. model.lm_head.weight = nn.Parameter(...)
-    torch.testing.assert_close(packed(x, other), F.linear(x, other), atol=1e-5, rtol=1e-5)
+    model = TwoLinears()
+    assert len(pack_linears(model, is_lm_head_packed=False, layer_mode="never")) == 0
+    assert type(model.proj) is nn.Linear and type(model.lm_head) is nn.Linear
+    assert len(pack_linears(model, is_lm_head_packed=False, layer_mode="always")) == 1  # the layer only
+    assert isinstance(model.proj, PackedLinear) and type(model.lm_head) is nn.Linear
+    # A second engine on the same model packs the same modules again, with copies of its own.
+    again = pack_linears(model, is_lm_head_packed=True, layer_mode="always")
+    assert len(again) == 2 and isinstance(model.lm_head, PackedLinear)
 
 
 def test_inference_tensors_are_not_packed():
     with torch.inference_mode():
-        weight = torch.randn(8, 4)
+        weight = torch.randn(8, 8)
     assert not is_onednn_linear_available(weight)  # no version counter to follow changes by
 
 
-def test_only_large_weights_are_worth_packing(monkeypatch):
+def test_only_large_heads_are_worth_packing(monkeypatch):
     monkeypatch.undo()  # the engine tests' conftest packs every head; the default threshold here
     assert not is_worth_packing(torch.zeros(100, 96))  # the demo's head: oneDNN's call overhead loses
     assert is_worth_packing(torch.zeros(32000, 384))
 
 
+def test_auto_times_each_shape_once_per_process():
+    cpu_kernels._packed_speedup.cache_clear()
+    for _ in range(3):
+        cpu_kernels.is_packed_faster(torch.zeros(40, 24))
+    info = cpu_kernels._packed_speedup.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+    assert cpu_kernels._packed_speedup(40, 24, torch.get_num_threads()) > 0
+
+
 @pytest.mark.parametrize("tie", [False, True])
-def test_engine_with_packed_head_matches_the_plain_head(tmp_path, tie):
+def test_engine_with_packed_linears_matches_plain_linears(tmp_path, tie):
     path = make_hf_checkpoint(tmp_path / "ckpt", "qwen2", seed=5, tie=tie)
     prompts = [[5, 6, 7, 8, 9], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7, n=3)
 
     def run(is_packed: bool):
-        config = EngineConfig(num_kv_blocks=64, block_size=4, cpu_pack_lm_head=is_packed)
+        mode = "always" if is_packed else "never"
+        config = EngineConfig(num_kv_blocks=64, block_size=4, cpu_pack_lm_head=is_packed, cpu_pack_linears=mode)
         engine = LLMEngine(load_model(path), config=config)
-        assert (engine.runner.packed_lm_head is not None) == is_packed
+        num_linears = sum(isinstance(m, nn.Linear) for m in engine.model.modules())
+        assert len(engine.runner.packed) == (num_linears if is_packed else 0)
         return engine.generate(prompts, params)
 
     assert_same_completions(run(True), run(False), atol=1e-5)
+
+
+def test_a_bad_pack_mode_is_a_config_error():
+    with pytest.raises(ConfigError, match="engine.cpu_pack_linears must be one of"):
+        EngineConfig(cpu_pack_linears="sometimes")
+
+
+def test_decode_layout_is_timed_once_per_geometry():
+    cpu_kernels._transposed_speedups.cache_clear()
+    layouts = {cpu_kernels.choose_decode_layout(2, 3, 16) for _ in range(3)}
+    assert len(layouts) == 1 and all(isinstance(flag, bool) for flag in layouts.pop())
+    info = cpu_kernels._transposed_speedups.cache_info()
+    assert (info.misses, info.hits) == (1, 2)

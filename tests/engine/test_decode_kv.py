@@ -19,21 +19,31 @@ def model_path(tmp_path_factory):
     return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2", seed=5)
 
 
-def _generate(path, use_decode_kv: bool, num_kv_blocks: int, dtype: torch.dtype = torch.float32) -> list:
+LAYOUTS = [(True, False), (False, False), (False, True), (True, True)]  # (keys, values) transposed
+
+
+def _generate(
+    path, use_decode_kv: bool, num_kv_blocks: int, dtype: torch.dtype = torch.float32,
+    layout: tuple[bool, bool] | None = None,
+) -> list:
     config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=24)
     engine = LLMEngine(load_model(path).to(dtype), config=config)
-    # fp32 keys are held transposed for the decode matmuls; bf16 keeps SDPA's layout (fp32 scores)
-    assert engine.runner.decode_kv.keys_transposed == (dtype == torch.float32)
+    runner = engine.runner
+    if dtype != torch.float32:  # bf16 keeps SDPA's layout (fp32 scores); fp32 takes the CPU's faster one
+        assert not runner.decode_kv.keys_transposed and not runner.decode_kv.values_transposed
+    if layout is not None:  # before the first step: the copies are still empty
+        runner.decode_kv = DecodeKV(runner.cache, runner.decode_kv.max_tokens, *layout)
     if not use_decode_kv:
-        engine.runner.decode_kv.max_tokens = 0  # every step over the cap: gather from the pool
+        runner.decode_kv.max_tokens = 0  # every step over the cap: gather from the pool
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 47)), [44], [5, 6, 7, 8, 9, 60]]
     params = [SamplingParams(temperature=1.0, max_new_tokens=m, seed=7 + m, n=3) for m in (9, 14, 5, 20, 11)]
     return engine.generate(prompts, params), engine.stats
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("num_kv_blocks", [200, 24])  # 24: the pool runs out, sequences get preempted
-def test_engine_samples_the_same_with_and_without_decode_kv(model_path, num_kv_blocks):
-    with_copies, stats = _generate(model_path, True, num_kv_blocks)
+def test_engine_samples_the_same_with_and_without_decode_kv(model_path, num_kv_blocks, layout):
+    with_copies, stats = _generate(model_path, True, num_kv_blocks, layout=layout)
     gathered, _ = _generate(model_path, False, num_kv_blocks)
     if num_kv_blocks == 24:
         assert stats.num_preemptions > 0  # the refill path after a recompute is exercised
@@ -51,33 +61,43 @@ def test_bf16_engine_samples_the_same_with_and_without_decode_kv(model_path):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.05)
 
 
-def _pool_context(pool: KVCache, span: SeqSpan, length: int) -> torch.Tensor:
-    """Layer 0 keys of ``span``'s first ``length`` tokens, gathered by hand and transposed as
-    ``DecodeKV`` holds them: [Hkv, D, length]."""
-    rows = [pool.k[0, span.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE] for p in range(length)]
-    return torch.stack(rows, dim=2)
+def test_only_fp32_copies_are_transposed():
+    pool = KVCache.allocate(1, 4, BLOCK_SIZE, 2, 8, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="only fp32 copies may be transposed"):
+        DecodeKV(pool, max_tokens=16, keys_transposed=False, values_transposed=True)
 
 
-def _pool_values(pool: KVCache, span: SeqSpan, length: int) -> torch.Tensor:
-    """Layer 0 values of ``span``'s first ``length`` tokens: [Hkv, length, D]."""
-    rows = [pool.v[0, span.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE] for p in range(length)]
+def _pool_context(pool: torch.Tensor, span: SeqSpan, length: int) -> torch.Tensor:
+    """Layer 0 keys or values of ``span``'s first ``length`` tokens, gathered by hand: [Hkv, length, D]."""
+    rows = [pool[0, span.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE] for p in range(length)]
     return torch.stack(rows, dim=1)
 
 
-def test_assign_keeps_continuing_rows_compacts_and_refills():
+def _held(copy: torch.Tensor, is_transposed: bool, slot: int, length: int) -> torch.Tensor:
+    """A ``DecodeKV`` copy's first ``length`` tokens of ``slot`` in layer 0, as [Hkv, length, D]."""
+    held = copy[0, slot]
+    return held[..., :length].transpose(-1, -2) if is_transposed else held[:, :length]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_assign_keeps_continuing_rows_compacts_and_refills(layout):
     pool = KVCache.allocate(1, 16, BLOCK_SIZE, 2, 8, torch.float32, torch.device("cpu"))
     pool.k.copy_(torch.randn(pool.k.shape))
     pool.v.copy_(torch.randn(pool.v.shape))
-    decode_kv = DecodeKV(pool, max_tokens=1000)
+    decode_kv = DecodeKV(pool, 1000, *layout)
+    keys_t, values_t = layout
+
+    def assert_holds(slot: int, span: SeqSpan, length: int) -> None:
+        assert torch.equal(_held(decode_kv.k, keys_t, slot, length), _pool_context(pool.k, span, length))
+        assert torch.equal(_held(decode_kv.v, values_t, slot, length), _pool_context(pool.v, span, length))
+
     tables = [[0, 1, 2], [3, 4], [5, 6, 7]]
     spans = [SeqSpan(9, 1, tables[0]), SeqSpan(2, 3, tables[1]), SeqSpan(5, 1, tables[1]),
              SeqSpan(6, 1, tables[2])]
     order = decode_kv.assign(spans, pool, BLOCK_SIZE)
     assert order == [0, 2, 3]  # decode rows only (span 1 is a prefill chunk), in slot order
     for slot, row in enumerate(order):  # filled from the pool: the tokens before the new one
-        start = spans[row].start
-        assert torch.equal(decode_kv.k[0, slot, ..., :start], _pool_context(pool, spans[row], start))
-        assert torch.equal(decode_kv.v[0, slot, :, :start], _pool_values(pool, spans[row], start))
+        assert_holds(slot, spans[row], spans[row].start)
     marker = decode_kv.k[0, 2].clone()
     # Next step: row 0 finished, the others continue one token further: tables[2] moves to slot 0.
     spans = [SeqSpan(6, 1, tables[1]), SeqSpan(7, 1, tables[2])]
@@ -87,12 +107,12 @@ def test_assign_keeps_continuing_rows_compacts_and_refills():
     # A new row joins: the two continuing rows keep their slots, the new one is filled.
     spans = [SeqSpan(7, 1, tables[1]), SeqSpan(3, 1, [8]), SeqSpan(8, 1, tables[2])]
     assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [2, 0, 1]
-    assert torch.equal(decode_kv.k[0, 2, ..., :3], _pool_context(pool, spans[1], 3))
+    assert_holds(2, spans[1], 3)
     # A row whose start does not continue its slot (rolled back) is refilled from the pool.
     pool.k[0, 4] += 1.0
     spans = [SeqSpan(5, 1, tables[1])]
     assert decode_kv.assign(spans, pool, BLOCK_SIZE) == [0]
-    assert torch.equal(decode_kv.k[0, 0, ..., :5], _pool_context(pool, spans[0], 5))
+    assert_holds(0, spans[0], 5)
 
 
 def test_assign_over_the_memory_cap_falls_back_to_the_pool():

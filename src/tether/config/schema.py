@@ -196,6 +196,10 @@ class EngineSection(Section):
     cpu_pack_lm_head: bool = Field(True, description="CPU, fp32: compute logits through a "
                                    "oneDNN-reordered copy of the vocabulary projection when it is at "
                                    "least 8 MB (faster; costs its size in memory once more).")
+    cpu_pack_linears: Literal["auto", "always", "never"] = Field(
+        "auto", description="CPU, fp32: the decoder layers' linears through oneDNN-reordered weight "
+        "copies: `auto` where a timing at engine start finds that faster than MKL on this machine, "
+        "`always`, or `never` (costs the layers' size in memory once more when on).")
 
 
 class TrainerSection(Section):

@@ -30,8 +30,8 @@ from tether.engine.kv_cache import DecodeKV, KVCache, SlotWrites
 _MIN_ROWS_TO_SPLIT = 8
 _MIN_SPLIT_GAIN = 0.8
 _MAX_SPLITS = 2
-# Decode rows read from ``DecodeKV`` (keys stored transposed) attend with matmul + softmax; rows
-# gathered from the pool do so up to this many keys (CPU, fp32), through SDPA beyond.
+# fp32 decode rows read from ``DecodeKV`` attend with matmul + softmax; rows gathered from the pool
+# do so up to this many keys (CPU), through SDPA beyond.
 _MAX_KEYS_MATMUL_DECODE = 128
 
 
@@ -223,12 +223,15 @@ class PagedAttention:
             mask = group.window_mask if is_windowed and group.window_mask is not None else group.mask
             if group.decode_kv_positions is not None and self.decode_kv is not None:
                 keys_t, values = self._append_decode_kv(layer_idx, k[0], v[0], group)
-                rows = _attend_decode(q, keys_t, values, group, mask)
+                is_matmul = keys_t.dtype == torch.float32  # either layout (DecodeKV picked the faster)
+                rows = _attend_decode(q, keys_t, values, group, mask, is_matmul)
             else:
                 keys = _gather(k_pool, group)  # [S, Hkv, Lk, D]
                 values = _gather(v_pool, group)
                 if group.is_decode:
-                    rows = _attend_decode(q, keys.transpose(-1, -2), values, group, mask)
+                    is_short_on_cpu = keys.device.type == "cpu" and keys.shape[2] <= _MAX_KEYS_MATMUL_DECODE
+                    is_matmul = keys.dtype == torch.float32 and is_short_on_cpu
+                    rows = _attend_decode(q, keys.transpose(-1, -2), values, group, mask, is_matmul)
                 else:
                     rows = _attend_prefill(q, keys, values, group, mask)
             out[group.out_index] = rows if group.out_select is None else rows[group.out_select]
@@ -256,24 +259,33 @@ def _gather(pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 
 
 def _attend_decode(
-    q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, group: AttentionGroup, mask: torch.Tensor
+    q: torch.Tensor,
+    keys_t: torch.Tensor,
+    values: torch.Tensor,
+    group: AttentionGroup,
+    mask: torch.Tensor,
+    is_matmul: bool,
 ) -> torch.Tensor:
-    """One query per row: keys transposed ``[S, Hkv, D, Lk]`` (``DecodeKV``'s layout, or a
-    transposed view of a pool gather), values ``[S, Hkv, Lk, D]`` -> ``[S, Hq, D]``."""
+    """One query per row: keys transposed ``[S, Hkv, D, Lk]`` and values ``[S, Hkv, Lk, D]``, each
+    contiguous or a transposed view (``DecodeKV``'s layouts, or a pool gather) -> ``[S, Hq, D]``.
+
+    ``is_matmul`` (fp32): two batched matmuls and a softmax instead of SDPA. They beat SDPA's CPU
+    kernel: for short contexts its per-(row, head) set-up dominates a 2 x 16 score tile (1.3-1.8x at
+    16-32 keys, even at 128); for long ones both matmuls are memory-bound, and with the faster layout
+    for the CPU they stream K and V at close to its bandwidth.
+    """
     num_rows, num_kv_heads, head_dim, num_keys = keys_t.shape
     queries = q[group.query_index.view(-1)]  # [S, Hq, D]
     # Query head h reads KV head h // G, so the G heads of a group are G queries of one KV head.
     queries = queries.view(num_rows, num_kv_heads, -1, head_dim).to(keys_t.dtype)  # [S, Hkv, G, D]
-    is_fp32 = keys_t.dtype == torch.float32  # bf16/fp16 scores would lose precision: SDPA keeps fp32
-    is_short_on_cpu = keys_t.device.type == "cpu" and num_keys <= _MAX_KEYS_MATMUL_DECODE
-    if is_fp32 and (keys_t.stride(-1) == 1 or is_short_on_cpu):
-        # Two batched matmuls and a softmax beat SDPA's CPU kernel: for short contexts its
-        # per-(row, head) set-up dominates a 2 x 16 score tile (1.3-1.8x at 16-32 keys, even at
-        # 128); for long ones, reading K^T with unit stride keeps the memory-bound score matmul at
-        # the machine's bandwidth (~15 % faster than SDPA at 128 rows x 256 keys). Scaling the
-        # queries, not the scores, saves a pass over [S, Hkv, G, Lk].
+    if is_matmul:
+        # Scaling the queries, not the scores, saves a pass over [S, Hkv, G, Lk].
         scores = torch.matmul(queries * head_dim**-0.5, keys_t).add_(mask)  # [S, Hkv, G, Lk]
-        out = torch.matmul(scores.softmax(dim=-1), values)  # [S, Hkv, G, D]
+        probs = scores.softmax(dim=-1)
+        if values.stride(-2) == 1:  # held [D, Lk]: V^T P^T keeps the streamed operand on the left
+            out = torch.matmul(values.transpose(-1, -2), probs.transpose(-1, -2)).transpose(-1, -2)
+        else:
+            out = torch.matmul(probs, values)  # [S, Hkv, G, D]
     else:
         keys = keys_t.transpose(-1, -2)  # [S, Hkv, Lk, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [S, Hkv, G, D]

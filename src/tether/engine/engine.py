@@ -94,7 +94,9 @@ class LLMEngine:
             num_lookahead_tokens=config.num_speculative_tokens if config.speculative else 0,
             max_model_len=self.max_model_len,
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.cpu_pack_lm_head)
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, config.cpu_pack_lm_head, config.cpu_pack_linears
+        )
         self.proposer = build_proposer(config, model, draft_model, num_blocks, self.max_model_len)
         self.sampler = Sampler()
         self.stats = EngineStats()

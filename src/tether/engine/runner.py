@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
-from tether.engine.cpu_kernels import PackedLinear, is_worth_packing
+from tether.engine.cpu_kernels import PackedWeights, choose_decode_layout, pack_linears
 from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
@@ -26,6 +26,7 @@ class ModelShape(Protocol):
 
     vocab_size: int
     num_hidden_layers: int
+    num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
@@ -68,7 +69,12 @@ def free_memory_bytes(device: torch.device) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderModel, num_blocks: int, block_size: int, is_lm_head_packed: bool = True
+        self,
+        model: DecoderModel,
+        num_blocks: int,
+        block_size: int,
+        is_lm_head_packed: bool = True,
+        pack_layer_linears: str = "auto",
     ) -> None:
         first = next(iter(model.parameters()))
         self.model = model
@@ -81,14 +87,19 @@ class ModelRunner:
             cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
-        # Decode rows read contiguous copies of their KV (at most the pool's size again in memory).
-        self.decode_kv = DecodeKV(self.cache, max_tokens=num_blocks * block_size)
+        # Decode rows read contiguous copies of their KV (at most the pool's size again in memory), in
+        # the layouts this CPU's decode matmuls stream fastest (fp32; cpu_kernels times them).
+        layout: tuple[bool | None, bool] = (None, False)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            group_size = cfg.num_attention_heads // cfg.num_key_value_heads
+            layout = choose_decode_layout(cfg.num_key_value_heads, group_size, cfg.head_dim)
+        self.decode_kv = DecodeKV(self.cache, num_blocks * block_size, *layout)
+        self.packed = PackedWeights([])
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
             use_transposed_weight_layout(model)
-        # CPU fp32: logits through a oneDNN-reordered copy of a large vocabulary projection (cpu_kernels).
-        head = model.lm_head
-        is_packable = head.bias is None and is_worth_packing(head.weight)
-        self.packed_lm_head = PackedLinear() if is_lm_head_packed and is_packable else None
+            # CPU fp32: a large vocabulary projection, and the layers' linears where oneDNN is
+            # faster here, multiply by oneDNN-reordered copies of their weights (cpu_kernels).
+            self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears)
 
     @torch.inference_mode()
     def run(self, step: StepInput, block_copies: list[tuple[int, int]]) -> torch.Tensor:
@@ -101,21 +112,16 @@ class ModelRunner:
         attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
-        try:
-            hidden = self.model(input_ids, positions, attn)  # [1, T, H]
-        except BaseException:
-            self.decode_kv.clear()  # slots may hold this step's keys in some layers only
-            raise
-        if not step.logits_index:
-            return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
-        return self.compute_logits(hidden[0, index]).float()  # [N, V]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, H]`` -> logits ``[N, V]`` in the model's dtype."""
-        if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden, self.model.lm_head.weight)
-        return self.model.compute_logits(hidden)
+        with self.packed.serving():
+            try:
+                hidden = self.model(input_ids, positions, attn)  # [1, T, H]
+            except BaseException:
+                self.decode_kv.clear()  # slots may hold this step's keys in some layers only
+                raise
+            if not step.logits_index:
+                return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+            index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
+            return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
 
     @torch.inference_mode()
     def zero_kv(self) -> None:
@@ -142,8 +148,7 @@ class ModelRunner:
                 )
         for name, tensor in updates:
             params[name].copy_(tensor)
-        if self.packed_lm_head is not None:
-            self.packed_lm_head.invalidate()
+        self.packed.invalidate()
         return len(updates)
 
 

@@ -121,10 +121,10 @@ class DraftModelProposer:
 
     def __init__(
         self, draft_model: DecoderModel, num_tokens: int, *, num_blocks: int, block_size: int,
-        is_lm_head_packed: bool = True,
+        is_lm_head_packed: bool = True, pack_layer_linears: str = "auto",
     ) -> None:
         self.num_tokens = num_tokens
-        self.runner = ModelRunner(draft_model, num_blocks, block_size, is_lm_head_packed)
+        self.runner = ModelRunner(draft_model, num_blocks, block_size, is_lm_head_packed, pack_layer_linears)
 
     def propose(
         self, seqs: list[Sequence], max_num_tokens: list[int], block_copies: list[tuple[int, int]]
@@ -317,7 +317,7 @@ def build_proposer(
         )
     return DraftModelProposer(
         draft_model, config.num_speculative_tokens, num_blocks=num_blocks, block_size=config.block_size,
-        is_lm_head_packed=config.cpu_pack_lm_head,
+        is_lm_head_packed=config.cpu_pack_lm_head, pack_layer_linears=config.cpu_pack_linears,
     )
 
 
