@@ -35,7 +35,8 @@ class EngineConfig:
     # CPU, fp32: the decoder layers' linears through oneDNN-reordered copies too: "auto" where a timing
     # at engine start (once per shape in a process) finds oneDNN faster than MKL on this machine (on an
     # AMD EPYC host: 1.3-2.6x for a 384-wide model; never for the 96-wide demo model), "always",
-    # or "never".
+    # or "never". Either path computes the same fp32 products in another order (~1e-6 relative):
+    # pin it to get bit-identical samples across processes, which may time differently.
     cpu_pack_linears: str = "auto"
     # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged):
     # "ngram" proposes by prompt lookup, "draft" by a small model passed as LLMEngine(draft_model=...).
