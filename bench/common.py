@@ -14,9 +14,10 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from tether.engine.cpu_kernels import cpuinfo_field
 
 MATMUL_SIZE = 1024
 
@@ -53,12 +54,7 @@ class StepStats:
 
 def cpu_model() -> str:
     """The CPU's marketing name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def measure_matmul_gflops(size: int = MATMUL_SIZE, min_time_s: float = 0.5) -> float:

@@ -198,8 +198,8 @@ class EngineSection(Section):
                                    "least 8 MB (faster; costs its size in memory once more).")
     cpu_pack_linears: Literal["auto", "always", "never"] = Field(
         "auto", description="CPU, fp32: the decoder layers' linears through oneDNN-reordered weight "
-        "copies: `auto` where a timing at engine start finds that faster than MKL on this machine, "
-        "`always`, or `never` (costs the layers' size in memory once more when on).")
+        "copies: `auto` for those 256 or more wide on CPUs where MKL runs its generic kernels "
+        "(non-Intel x86), `always`, or `never` (costs the layers' size in memory once more when on).")
 
 
 class TrainerSection(Section):

@@ -32,11 +32,10 @@ class EngineConfig:
     # CPU, fp32: compute logits through a oneDNN-reordered copy of the vocabulary projection when it
     # is at least 8 MB (``tether.engine.cpu_kernels``): 1.2-2.3x faster logits, at its size in memory.
     cpu_pack_lm_head: bool = True
-    # CPU, fp32: the decoder layers' linears through oneDNN-reordered copies too: "auto" where a timing
-    # at engine start (once per shape in a process) finds oneDNN faster than MKL on this machine (on an
-    # AMD EPYC host: 1.3-2.6x for a 384-wide model; never for the 96-wide demo model), "always",
-    # or "never". Either path computes the same fp32 products in another order (~1e-6 relative):
-    # pin it to get bit-identical samples across processes, which may time differently.
+    # CPU, fp32: the decoder layers' linears (256+ wide) through oneDNN-reordered copies too: "auto"
+    # on CPUs where MKL runs its generic kernels (non-Intel x86; on an AMD EPYC host 1.3-2.6x faster
+    # decode-step linears), "always", or "never". Either path computes the same fp32 products in
+    # another order (~1e-6 relative).
     cpu_pack_linears: str = "auto"
     # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged):
     # "ngram" proposes by prompt lookup, "draft" by a small model passed as LLMEngine(draft_model=...).

@@ -26,7 +26,6 @@ class ModelShape(Protocol):
 
     vocab_size: int
     num_hidden_layers: int
-    num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
@@ -88,17 +87,15 @@ class ModelRunner:
             self.dtype, self.device,
         )  # fmt: skip
         # Decode rows read contiguous copies of their KV (at most the pool's size again in memory), in
-        # the layouts this CPU's decode matmuls stream fastest (fp32; cpu_kernels times them).
-        layout: tuple[bool | None, bool] = (None, False)
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            group_size = cfg.num_attention_heads // cfg.num_key_value_heads
-            layout = choose_decode_layout(cfg.num_key_value_heads, group_size, cfg.head_dim)
+        # the layouts this CPU's decode matmuls stream fastest (fp32: cpu_kernels.choose_decode_layout).
+        is_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        layout = choose_decode_layout() if is_cpu_fp32 else (None, False)
         self.decode_kv = DecodeKV(self.cache, num_blocks * block_size, *layout)
         self.packed = PackedWeights([])
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
             use_transposed_weight_layout(model)
-            # CPU fp32: a large vocabulary projection, and the layers' linears where oneDNN is
-            # faster here, multiply by oneDNN-reordered copies of their weights (cpu_kernels).
+            # CPU fp32: a large vocabulary projection, and the layers' linears on CPUs where MKL is
+            # slow, multiply by oneDNN-reordered copies of their weights (cpu_kernels).
             self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears)
 
     @torch.inference_mode()
