@@ -122,7 +122,7 @@ class DecodeKV:
     keys transposed ran the score matmul ~1.5x faster on an Intel Xeon (128 rows x 256 keys, 2
     threads), while on an AMD EPYC ``[C, D]`` keys were 1.4x faster, and transposed values 1.5x
     faster only in slots no longer than their keys (1.6x slower with the room slots keep to grow).
-    ``cpu_kernels.choose_decode_layout`` times both on the machine. Other dtypes keep ``[C, D]``
+    ``cpu_kernels.choose_decode_layout`` picks by the CPU. Other dtypes keep ``[C, D]``
     for both and attend through SDPA, which scores in fp32 (a bf16 matmul would round the scores);
     handed a transposed view, SDPA's CPU kernel moved bf16 greedy log-probs by ~0.02.
 
