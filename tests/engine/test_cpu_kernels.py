@@ -74,6 +74,14 @@ def test_packed_linear_is_plain_linear_outside_serving():
     assert [name for name, _ in model.named_parameters()] == ["proj.weight", "proj.bias", "lm_head.weight"]
 
 
+def test_a_forward_recording_gradients_during_a_step_multiplies_the_parameters():
+    model, packed = packed_model()
+    x = torch.randn(4, 32)
+    with packed.serving():  # e.g. a trainer thread on the same model while the engine steps
+        model(x).sum().backward()
+    assert model.proj.weight.grad is not None and model.lm_head.weight.grad is not None
+
+
 def _fused_adamw_step(weight: torch.nn.Parameter) -> None:
     weight.grad = torch.ones_like(weight)
     torch.optim.AdamW([weight], lr=0.1, fused=True).step()  # leaves the parameter's version alone

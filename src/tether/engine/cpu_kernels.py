@@ -133,7 +133,10 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.__dict__.get("_packed")
         out_features, in_features = self.weight.shape
-        if packed is None or x.numel() < self.__dict__.get("min_rows", 1) * in_features:
+        # The oneDNN op has no autograd: a forward that records gradients (another thread training
+        # the same model during a step; grad mode is per thread) multiplies the parameters themselves.
+        is_plain = packed is None or torch.is_grad_enabled()
+        if is_plain or x.numel() < self.__dict__.get("min_rows", 1) * in_features:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, in_features).contiguous()  # [M, K]
         out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")  # [M, N]
