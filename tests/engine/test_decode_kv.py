@@ -19,20 +19,20 @@ def model_path(tmp_path_factory):
     return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2", seed=5)
 
 
-LAYOUTS = [(True, False), (False, False), (False, True), (True, True)]  # (keys, values) transposed
+KEY_LAYOUTS = [True, False]  # keys held transposed or not
 
 
 def _generate(
     path, use_decode_kv: bool, num_kv_blocks: int, dtype: torch.dtype = torch.float32,
-    layout: tuple[bool, bool] | None = None,
+    keys_transposed: bool | None = None,
 ) -> list:
     config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=24)
     engine = LLMEngine(load_model(path).to(dtype), config=config)
     runner = engine.runner
     if dtype != torch.float32:  # bf16 keeps SDPA's layout (fp32 scores); fp32 takes the CPU's faster one
-        assert not runner.decode_kv.keys_transposed and not runner.decode_kv.values_transposed
-    if layout is not None:  # before the first step: the copies are still empty
-        runner.decode_kv = DecodeKV(runner.cache, runner.decode_kv.max_tokens, *layout)
+        assert not runner.decode_kv.keys_transposed
+    if keys_transposed is not None:  # before the first step: the copies are still empty
+        runner.decode_kv = DecodeKV(runner.cache, runner.decode_kv.max_tokens, keys_transposed)
     if not use_decode_kv:
         runner.decode_kv.max_tokens = 0  # every step over the cap: gather from the pool
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 47)), [44], [5, 6, 7, 8, 9, 60]]
@@ -40,10 +40,10 @@ def _generate(
     return engine.generate(prompts, params), engine.stats
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("keys_transposed", KEY_LAYOUTS)
 @pytest.mark.parametrize("num_kv_blocks", [200, 24])  # 24: the pool runs out, sequences get preempted
-def test_engine_samples_the_same_with_and_without_decode_kv(model_path, num_kv_blocks, layout):
-    with_copies, stats = _generate(model_path, True, num_kv_blocks, layout=layout)
+def test_engine_samples_the_same_with_and_without_decode_kv(model_path, num_kv_blocks, keys_transposed):
+    with_copies, stats = _generate(model_path, True, num_kv_blocks, keys_transposed=keys_transposed)
     gathered, _ = _generate(model_path, False, num_kv_blocks)
     if num_kv_blocks == 24:
         assert stats.num_preemptions > 0  # the refill path after a recompute is exercised
@@ -63,8 +63,8 @@ def test_bf16_engine_samples_the_same_with_and_without_decode_kv(model_path):
 
 def test_only_fp32_copies_are_transposed():
     pool = KVCache.allocate(1, 4, BLOCK_SIZE, 2, 8, torch.bfloat16, torch.device("cpu"))
-    with pytest.raises(ValueError, match="only fp32 copies may be transposed"):
-        DecodeKV(pool, max_tokens=16, keys_transposed=False, values_transposed=True)
+    with pytest.raises(ValueError, match="only fp32 keys may be transposed"):
+        DecodeKV(pool, max_tokens=16, keys_transposed=True)
 
 
 def _pool_context(pool: torch.Tensor, span: SeqSpan, length: int) -> torch.Tensor:
@@ -79,17 +79,16 @@ def _held(copy: torch.Tensor, is_transposed: bool, slot: int, length: int) -> to
     return held[..., :length].transpose(-1, -2) if is_transposed else held[:, :length]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_assign_keeps_continuing_rows_compacts_and_refills(layout):
+@pytest.mark.parametrize("keys_transposed", KEY_LAYOUTS)
+def test_assign_keeps_continuing_rows_compacts_and_refills(keys_transposed):
     pool = KVCache.allocate(1, 16, BLOCK_SIZE, 2, 8, torch.float32, torch.device("cpu"))
     pool.k.copy_(torch.randn(pool.k.shape))
     pool.v.copy_(torch.randn(pool.v.shape))
-    decode_kv = DecodeKV(pool, 1000, *layout)
-    keys_t, values_t = layout
+    decode_kv = DecodeKV(pool, 1000, keys_transposed)
 
     def assert_holds(slot: int, span: SeqSpan, length: int) -> None:
-        assert torch.equal(_held(decode_kv.k, keys_t, slot, length), _pool_context(pool.k, span, length))
-        assert torch.equal(_held(decode_kv.v, values_t, slot, length), _pool_context(pool.v, span, length))
+        assert torch.equal(_held(decode_kv.k, keys_transposed, slot, length), _pool_context(pool.k, span, length))
+        assert torch.equal(_held(decode_kv.v, False, slot, length), _pool_context(pool.v, span, length))
 
     tables = [[0, 1, 2], [3, 4], [5, 6, 7]]
     spans = [SeqSpan(9, 1, tables[0]), SeqSpan(2, 3, tables[1]), SeqSpan(5, 1, tables[1]),

@@ -7,14 +7,14 @@ from tether.engine.kv_cache import DecodeKV, KVCache
 BLOCK_SIZE = 4
 
 
-LAYOUTS = [(True, False), (False, True)]  # (keys, values) held transposed
+KEY_LAYOUTS = [True, False]  # keys held transposed or not
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_slots_grow_to_the_cap_at_once_not_a_block_per_step(layout):
+@pytest.mark.parametrize("keys_transposed", KEY_LAYOUTS)
+def test_slots_grow_to_the_cap_at_once_not_a_block_per_step(keys_transposed):
     """Decoding past the doubling cap must not reallocate the mirror every block (it did: 8 % of a run)."""
     pool = KVCache.allocate(1, 64, BLOCK_SIZE, 2, 8, torch.float32, torch.device("cpu"))
-    decode_kv = DecodeKV(pool, 4 * 40, *layout)  # 4 rows x 40 tokens at most
+    decode_kv = DecodeKV(pool, 4 * 40, keys_transposed)  # 4 rows x 40 tokens at most
     tables = [list(range(i * 16, i * 16 + 10)) for i in range(4)]
     num_reallocations, last_ptr = 0, None
     for start in range(1, 39):
@@ -27,13 +27,13 @@ def test_slots_grow_to_the_cap_at_once_not_a_block_per_step(layout):
     assert num_reallocations <= 5  # 4 -> 8 -> 16 -> 32 -> 40 tokens, not a block at a time
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_memory_stays_within_the_cap_when_the_batch_narrows_and_lengthens(layout):
+@pytest.mark.parametrize("keys_transposed", KEY_LAYOUTS)
+def test_memory_stays_within_the_cap_when_the_batch_narrows_and_lengthens(keys_transposed):
     """A wide batch, then a few long stragglers (the end of every RL rollout): the copies must stay
     within ``max_tokens`` (they used to keep every old row at the new length: 12.8x the cap)."""
     cap = 20_480
     pool = KVCache.allocate(1, 4096, BLOCK_SIZE, 1, 4, torch.float32, torch.device("cpu"))
-    decode_kv = DecodeKV(pool, cap, *layout)
+    decode_kv = DecodeKV(pool, cap, keys_transposed)
     for num_rows, length in [(256, 32), (200, 80), (10, 512), (2, 1024)]:
         tables = [list(range(i * 8, i * 8 + length // BLOCK_SIZE)) for i in range(num_rows)]
         spans = [SeqSpan(length - 1, 1, table) for table in tables]

@@ -223,7 +223,7 @@ class PagedAttention:
             mask = group.window_mask if is_windowed and group.window_mask is not None else group.mask
             if group.decode_kv_positions is not None and self.decode_kv is not None:
                 keys_t, values = self._append_decode_kv(layer_idx, k[0], v[0], group)
-                is_matmul = keys_t.dtype == torch.float32  # either layout (DecodeKV picked the faster)
+                is_matmul = keys_t.dtype == torch.float32  # either key layout (DecodeKV picked the faster)
                 rows = _attend_decode(q, keys_t, values, group, mask, is_matmul)
             else:
                 keys = _gather(k_pool, group)  # [S, Hkv, Lk, D]
@@ -266,8 +266,8 @@ def _attend_decode(
     mask: torch.Tensor,
     is_matmul: bool,
 ) -> torch.Tensor:
-    """One query per row: keys transposed ``[S, Hkv, D, Lk]`` and values ``[S, Hkv, Lk, D]``, each
-    contiguous or a transposed view (``DecodeKV``'s layouts, or a pool gather) -> ``[S, Hq, D]``.
+    """One query per row: keys transposed ``[S, Hkv, D, Lk]`` (contiguous or a transposed view:
+    ``DecodeKV``'s layouts, or a pool gather), values ``[S, Hkv, Lk, D]`` -> ``[S, Hq, D]``.
 
     ``is_matmul`` (fp32): two batched matmuls and a softmax instead of SDPA. They beat SDPA's CPU
     kernel: for short contexts its per-(row, head) set-up dominates a 2 x 16 score tile (1.3-1.8x at
@@ -281,11 +281,7 @@ def _attend_decode(
     if is_matmul:
         # Scaling the queries, not the scores, saves a pass over [S, Hkv, G, Lk].
         scores = torch.matmul(queries * head_dim**-0.5, keys_t).add_(mask)  # [S, Hkv, G, Lk]
-        probs = scores.softmax(dim=-1)
-        if values.stride(-2) == 1:  # held [D, Lk]: V^T P^T keeps the streamed operand on the left
-            out = torch.matmul(values.transpose(-1, -2), probs.transpose(-1, -2)).transpose(-1, -2)
-        else:
-            out = torch.matmul(probs, values)  # [S, Hkv, G, D]
+        out = torch.matmul(scores.softmax(dim=-1), values)  # [S, Hkv, G, D]
     else:
         keys = keys_t.transpose(-1, -2)  # [S, Hkv, Lk, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [S, Hkv, G, D]

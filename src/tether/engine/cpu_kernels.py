@@ -17,7 +17,7 @@ multiply itself at small row counts. Which linears get a copy (``pack_linears``)
   16 rows but slower at 64-128. A rule, not a timing at start: timings near the break-even flipped
   between processes, and with them the numerics (see below) of runs that should be reproducible.
 
-The same CPU split chooses ``DecodeKV``'s layouts (``choose_decode_layout``).
+The same CPU split chooses ``DecodeKV``'s key layout (``choose_decode_layout``).
 
 A reordered copy costs its weight's size in memory once more, and reordering again after a weight
 change ~1.5 ms per MB (once per ``update_weights``, which always reorders). Other changes are found
@@ -109,12 +109,11 @@ def is_onednn_linear_available(weight: torch.Tensor) -> bool:
     )
 
 
-def choose_decode_layout() -> tuple[bool, bool]:
-    """(keys_transposed, values_transposed) for fp32 ``DecodeKV`` copies on this CPU. Keys held
-    ``[D, C]`` ran the decode score matmul ~1.5x faster on an Intel Xeon; on an AMD EPYC ``[C, D]``
-    keys were 1.4x faster (MKL's generic kernels), and values held ``[D, C]`` 1.6x slower in slots
-    with room to grow. Values stay ``[C, D]`` everywhere."""
-    return (not is_mkl_slow_here(), False)
+def choose_decode_layout() -> bool:
+    """Whether fp32 ``DecodeKV`` keys are held transposed (``[D, C]``) on this CPU: that ran the
+    decode score matmul ~1.5x faster on an Intel Xeon, while on an AMD EPYC ``[C, D]`` keys were
+    1.4x faster (MKL's generic kernels)."""
+    return not is_mkl_slow_here()
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:

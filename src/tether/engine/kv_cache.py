@@ -115,15 +115,13 @@ class DecodeKV:
     that keeps decoding owns a slot here: its context is gathered once, then each step appends one
     key/value per layer, and the decode attention reads slots ``[0, S)`` as a strided view, no copy.
 
-    Each copy holds its tokens as ``[C, D]`` per slot and head, or transposed as ``[D, C]``
-    (``keys_transposed``, ``values_transposed``): ``k`` is ``[L, R, Hkv, C, D]`` or ``[L, R, Hkv, D,
-    C]``, ``v`` the same. fp32 decode attention is two memory-bound batched matmuls with a few query
-    rows per KV head (``q @ K^T``, ``P @ V``), and which layout MKL streams faster depends on the CPU:
-    keys transposed ran the score matmul ~1.5x faster on an Intel Xeon (128 rows x 256 keys, 2
-    threads), while on an AMD EPYC ``[C, D]`` keys were 1.4x faster, and transposed values 1.5x
-    faster only in slots no longer than their keys (1.6x slower with the room slots keep to grow).
-    ``cpu_kernels.choose_decode_layout`` picks by the CPU. Other dtypes keep ``[C, D]``
-    for both and attend through SDPA, which scores in fp32 (a bf16 matmul would round the scores);
+    Values are ``v``: ``[L, R, Hkv, C, D]``. Keys are ``[L, R, Hkv, C, D]`` too, or transposed
+    ``[L, R, Hkv, D, C]`` (``keys_transposed``): the decode score matmul ``q @ K^T`` with a few query
+    rows per KV head is memory-bound, and which layout MKL streams faster depends on the CPU: keys
+    transposed ran it ~1.5x faster on an Intel Xeon (128 rows x 256 keys, 2 threads), ``[C, D]`` keys
+    1.4x faster on an AMD EPYC (``cpu_kernels.choose_decode_layout`` picks by the CPU; values held
+    ``[D, C]`` were 1.6x slower there with the room slots keep to grow). Other dtypes keep ``[C, D]``
+    keys and attend through SDPA, which scores in fp32 (a bf16 matmul would round the scores);
     handed a transposed view, SDPA's CPU kernel moved bf16 greedy log-probs by ~0.02.
 
     A slot stays valid only while its sequence decodes in consecutive ``assign`` calls (same
@@ -133,20 +131,17 @@ class DecodeKV:
     past it ``assign`` returns None and the step gathers from the pool as before.
     """
 
-    def __init__(
-        self, pool: KVCache, max_tokens: int, keys_transposed: bool | None = None, values_transposed: bool = False
-    ) -> None:
+    def __init__(self, pool: KVCache, max_tokens: int, keys_transposed: bool | None = None) -> None:
         """``keys_transposed`` None: transposed for fp32 (the decode matmuls), ``[C, D]`` otherwise."""
         num_layers, _, _, num_kv_heads, head_dim = pool.k.shape
         self.max_tokens = max_tokens
         is_fp32 = pool.k.dtype == torch.float32
         self.keys_transposed = is_fp32 if keys_transposed is None else keys_transposed
-        self.values_transposed = values_transposed
-        if not is_fp32 and (self.keys_transposed or values_transposed):
-            raise ValueError("DecodeKV: only fp32 copies may be transposed (other dtypes attend through SDPA)")
+        if not is_fp32 and self.keys_transposed:
+            raise ValueError("DecodeKV: only fp32 keys may be transposed (other dtypes attend through SDPA)")
         self._dims = (num_layers, num_kv_heads, head_dim)
         self.k = pool.k.new_zeros(self._shape(0, 0, self.keys_transposed))  # [L, R, Hkv, C, D] or [.., D, C]
-        self.v = pool.v.new_zeros(self._shape(0, 0, self.values_transposed))
+        self.v = pool.v.new_zeros(self._shape(0, 0, False))  # [L, R, Hkv, C, D]
         self.tables: list[list[int] | None] = []  # [R] each slot's block_table object
         self.lengths: list[int] = []  # [R] tokens held (the slot's next write position)
 
@@ -166,7 +161,7 @@ class DecodeKV:
 
     def _copies(self) -> tuple[tuple[str, bool], ...]:
         """(attribute, whether its token axis is last) of the key and value copies."""
-        return (("k", self.keys_transposed), ("v", self.values_transposed))
+        return (("k", self.keys_transposed), ("v", False))
 
     def slot_writes(self, positions: torch.Tensor) -> SlotWrites:
         """Where ``write`` puts slot i's new token, at ``positions[i]``: computed once per step,
@@ -184,21 +179,20 @@ class DecodeKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append slot i's new key/value ``k[i]``, ``v[i]`` (``[S, Hkv, D]``) in layer
         ``layer_idx`` where ``where`` says; returns slots ``[0, S)`` as views over their ``C``
-        positions, whatever the layouts: keys transposed ``[S, Hkv, D, C]``, values ``[S, Hkv, C, D]``."""
+        positions: keys transposed ``[S, Hkv, D, C]`` (a strided view unless ``keys_transposed``),
+        values ``[S, Hkv, C, D]``."""
         num_rows, head_dim = k.shape[0], k.shape[-1]
-        views = []
-        for (name, is_transposed), new in zip(self._copies(), (k, v)):
-            rows = getattr(self, name)[layer_idx]  # [R, Hkv, C, D] or [R, Hkv, D, C], contiguous
-            if is_transposed:
-                # The new token is column p of the slot's [D, C] matrix. Indexing slots and positions
-                # writes it in 0.05 ms (128 rows); an index_copy_ of single elements took 2.7x as long.
-                rows[where.slots, :, :, where.positions] = new.to(rows.dtype)  # [S, Hkv, D]
-            else:
-                rows.view(-1, head_dim).index_copy_(0, where.rows, new.to(rows.dtype).view(-1, head_dim))
-            views.append(rows[:num_rows])
-        keys_t = views[0] if self.keys_transposed else views[0].transpose(-1, -2)
-        values = views[1].transpose(-1, -2) if self.values_transposed else views[1]
-        return keys_t, values
+        k_rows, v_rows = self.k[layer_idx], self.v[layer_idx]  # contiguous
+        v_rows.view(-1, head_dim).index_copy_(0, where.rows, v.to(v_rows.dtype).view(-1, head_dim))
+        if self.keys_transposed:
+            # The new key is column p of the slot's [D, C] matrix. Indexing slots and positions
+            # writes it in 0.05 ms (128 rows); an index_copy_ of single elements took 2.7x as long.
+            k_rows[where.slots, :, :, where.positions] = k.to(k_rows.dtype)  # [S, Hkv, D]
+            keys_t = k_rows[:num_rows]
+        else:
+            k_rows.view(-1, head_dim).index_copy_(0, where.rows, k.to(k_rows.dtype).view(-1, head_dim))
+            keys_t = k_rows[:num_rows].transpose(-1, -2)
+        return keys_t, v_rows[:num_rows]
 
     @property
     def num_slots(self) -> int:
@@ -207,7 +201,7 @@ class DecodeKV:
     @property
     def capacity(self) -> int:
         """Tokens each slot holds."""
-        return self.v.shape[_tokens_dim(self.values_transposed)]
+        return self.v.shape[3]
 
     def assign(self, spans: list[SeqSpan], pool: KVCache, block_size: int) -> list[int] | None:
         """Give each decode row of the step slot ``i``; returns the rows in slot order (None: over
@@ -248,7 +242,7 @@ class DecodeKV:
     def _reserve(self, num_rows: int, num_tokens: int) -> None:
         """Hold at least ``num_rows`` slots of ``num_tokens`` (doubling, so growth is rare), never more
         than ``max_tokens`` in all (``assign`` guarantees ``num_rows * num_tokens`` fits)."""
-        old_rows, old_tokens = self.num_slots, self.capacity
+        _, old_rows, _, old_tokens, _ = self.v.shape
         if num_rows <= old_rows and num_tokens <= old_tokens:
             return
         # Double only the dimension that is short: doubling rows for longer slots halved the tokens

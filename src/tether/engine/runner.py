@@ -87,10 +87,10 @@ class ModelRunner:
             self.dtype, self.device,
         )  # fmt: skip
         # Decode rows read contiguous copies of their KV (at most the pool's size again in memory), in
-        # the layouts this CPU's decode matmuls stream fastest (fp32: cpu_kernels.choose_decode_layout).
+        # the key layout this CPU's decode matmuls stream fastest (fp32: cpu_kernels.choose_decode_layout).
         is_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        layout = choose_decode_layout() if is_cpu_fp32 else (None, False)
-        self.decode_kv = DecodeKV(self.cache, num_blocks * block_size, *layout)
+        keys_transposed = choose_decode_layout() if is_cpu_fp32 else None
+        self.decode_kv = DecodeKV(self.cache, num_blocks * block_size, keys_transposed)
         self.packed = PackedWeights([])
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
             use_transposed_weight_layout(model)
