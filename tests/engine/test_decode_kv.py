@@ -114,6 +114,33 @@ def test_assign_keeps_continuing_rows_compacts_and_refills(keys_transposed):
     assert_holds(0, spans[0], 5)
 
 
+@pytest.mark.parametrize("keys_transposed", KEY_LAYOUTS)
+def test_a_new_shape_within_the_storage_reuses_it_and_refills_every_row(keys_transposed):
+    """A wide batch, then fewer rows with longer contexts, then a wide batch again (an RL rollout, and
+    the next one): within the storage already held no memory is allocated (fresh pages cost 30-400 ms
+    per 150 MB on a shared VM), every row holds exactly its pool context again, padding is zeros."""
+    pool = KVCache.allocate(1, 64, BLOCK_SIZE, 2, 8, torch.float32, torch.device("cpu"))
+    pool.k.copy_(torch.randn(pool.k.shape))
+    pool.v.copy_(torch.randn(pool.v.shape))
+    decode_kv = DecodeKV(pool, max_tokens=96, keys_transposed=keys_transposed)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(8)]
+    storage_ptrs = set()
+    for step, (num_rows, start) in enumerate([(8, 7), (8, 8), (3, 30), (3, 31), (8, 9)]):
+        spans = [SeqSpan(start, 1, tables[i]) for i in range(num_rows)]
+        assert decode_kv.assign(spans, pool, BLOCK_SIZE) == list(range(num_rows))
+        if step >= 1:  # grown to the cap: (8, 8) -> (8, 12)
+            storage_ptrs.add(decode_kv.v.data_ptr())
+        assert decode_kv.num_slots * decode_kv.capacity <= 96
+        for slot, span in enumerate(spans):
+            assert torch.equal(_held(decode_kv.k, keys_transposed, slot, start), _pool_context(pool.k, span, start))
+            assert torch.equal(_held(decode_kv.v, False, slot, start), _pool_context(pool.v, span, start))
+        # past the blocks gathered: zeros, never another shape's leftovers
+        width = -(-(start + 1) // BLOCK_SIZE) * BLOCK_SIZE
+        assert not decode_kv.v[:, :num_rows, :, width:].any()
+    assert decode_kv.num_slots == 8 and decode_kv.capacity == 12  # (8, 12) -> (3, 32) -> (8, 12)
+    assert len(storage_ptrs) == 1  # re-viewed, not reallocated
+
+
 def test_assign_over_the_memory_cap_falls_back_to_the_pool():
     pool = KVCache.allocate(1, 16, BLOCK_SIZE, 2, 8, torch.float32, torch.device("cpu"))
     decode_kv = DecodeKV(pool, max_tokens=8)

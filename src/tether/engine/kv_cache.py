@@ -9,6 +9,7 @@ of gathering it from the pool every step (``DecodeKV``); both are written by
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -140,8 +141,10 @@ class DecodeKV:
         if not is_fp32 and self.keys_transposed:
             raise ValueError("DecodeKV: only fp32 keys may be transposed (other dtypes attend through SDPA)")
         self._dims = (num_layers, num_kv_heads, head_dim)
-        self.k = pool.k.new_zeros(self._shape(0, 0, self.keys_transposed))  # [L, R, Hkv, C, D] or [.., D, C]
-        self.v = pool.v.new_zeros(self._shape(0, 0, False))  # [L, R, Hkv, C, D]
+        # Flat storage that only grows; k and v are views of its start in the current shape.
+        self._storage = {"k": pool.k.new_zeros(0), "v": pool.v.new_zeros(0)}
+        self.k = self._storage["k"].view(self._shape(0, 0, self.keys_transposed))  # [L, R, Hkv, C, D] or [.., D, C]
+        self.v = self._storage["v"].view(self._shape(0, 0, False))  # [L, R, Hkv, C, D]
         self.tables: list[list[int] | None] = []  # [R] each slot's block_table object
         self.lengths: list[int] = []  # [R] tokens held (the slot's next write position)
 
@@ -149,10 +152,10 @@ class DecodeKV:
         self.tables = [None] * len(self.tables)
 
     def zero_(self) -> None:
-        """Drop every slot and zero the copies (their padding is read past a slot's length)."""
+        """Drop every slot and zero the storage (padding past a slot's length is read, masked)."""
         self.clear()
-        self.k.zero_()
-        self.v.zero_()
+        for storage in self._storage.values():
+            storage.zero_()
 
     def _shape(self, num_rows: int, num_tokens: int, is_transposed: bool) -> tuple[int, ...]:
         num_layers, num_kv_heads, head_dim = self._dims
@@ -256,17 +259,29 @@ class DecodeKV:
             # stragglers kept every old row at the new length (many times the cap).
             new_rows = num_rows
             new_tokens = max(num_tokens, self.max_tokens // num_rows)
+        numel = math.prod(self._shape(new_rows, new_tokens, False))
+        # Within the storage it has, the new shape is a new view of it, zeroed: rows are dropped and
+        # gathered again from the pool when they next decode (keeping them would move data over
+        # itself). Fresh memory took 30-400 ms per 150 MB on a shared VM (page faults), a re-view
+        # zeroes it in ~10 and the refill of 128 rows costs about one step. Only past its storage
+        # does it allocate, copying the rows it keeps.
+        is_in_place = numel <= self._storage["v"].numel()
         kept_rows, kept_tokens = min(old_rows, new_rows), min(old_tokens, new_tokens)
         for name, is_transposed in self._copies():
             old, dim = getattr(self, name), _tokens_dim(is_transposed)
-            grown = old.new_zeros(self._shape(new_rows, new_tokens, is_transposed))
-            grown.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens).copy_(
-                old.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens))
+            shape = self._shape(new_rows, new_tokens, is_transposed)
+            if is_in_place:
+                grown = self._storage[name][:numel].view(shape).zero_()
+            else:
+                self._storage[name] = old.new_zeros(numel)
+                grown = self._storage[name].view(shape)
+                grown.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens).copy_(
+                    old.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens))
             setattr(self, name, grown)
         self.tables = (self.tables + [None] * new_rows)[:new_rows]
         self.lengths = (self.lengths + [0] * new_rows)[:new_rows]
         for slot, length in enumerate(self.lengths):
-            if length > new_tokens:  # cut short: gathered afresh when its sequence next decodes
+            if is_in_place or length > new_tokens:  # gathered afresh when its sequence next decodes
                 self.tables[slot], self.lengths[slot] = None, 0
 
     def _move(self, moves: list[tuple[int, int]]) -> None:
