@@ -245,7 +245,7 @@ class DecodeKV:
     def _reserve(self, num_rows: int, num_tokens: int) -> None:
         """Hold at least ``num_rows`` slots of ``num_tokens`` (doubling, so growth is rare), never more
         than ``max_tokens`` in all (``assign`` guarantees ``num_rows * num_tokens`` fits)."""
-        _, old_rows, _, old_tokens, _ = self.v.shape
+        old_rows, old_tokens = self.num_slots, self.capacity
         if num_rows <= old_rows and num_tokens <= old_tokens:
             return
         # Double only the dimension that is short: doubling rows for longer slots halved the tokens
@@ -265,23 +265,24 @@ class DecodeKV:
         # itself). Fresh memory took 30-400 ms per 150 MB on a shared VM (page faults), a re-view
         # zeroes it in ~10 and the refill of 128 rows costs about one step. Only past its storage
         # does it allocate, copying the rows it keeps.
-        is_in_place = numel <= self._storage["v"].numel()
+        if numel <= self._storage["v"].numel():
+            for name, is_transposed in self._copies():
+                shape = self._shape(new_rows, new_tokens, is_transposed)
+                setattr(self, name, self._storage[name][:numel].view(shape).zero_())
+            self.tables, self.lengths = [None] * new_rows, [0] * new_rows  # every row gathered afresh
+            return
         kept_rows, kept_tokens = min(old_rows, new_rows), min(old_tokens, new_tokens)
         for name, is_transposed in self._copies():
             old, dim = getattr(self, name), _tokens_dim(is_transposed)
-            shape = self._shape(new_rows, new_tokens, is_transposed)
-            if is_in_place:
-                grown = self._storage[name][:numel].view(shape).zero_()
-            else:
-                self._storage[name] = old.new_zeros(numel)
-                grown = self._storage[name].view(shape)
-                grown.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens).copy_(
-                    old.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens))
+            self._storage[name] = old.new_zeros(numel)
+            grown = self._storage[name].view(self._shape(new_rows, new_tokens, is_transposed))
+            grown.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens).copy_(
+                old.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens))
             setattr(self, name, grown)
         self.tables = (self.tables + [None] * new_rows)[:new_rows]
         self.lengths = (self.lengths + [0] * new_rows)[:new_rows]
         for slot, length in enumerate(self.lengths):
-            if is_in_place or length > new_tokens:  # gathered afresh when its sequence next decodes
+            if length > new_tokens:  # cut short: gathered afresh when its sequence next decodes
                 self.tables[slot], self.lengths[slot] = None, 0
 
     def _move(self, moves: list[tuple[int, int]]) -> None:
