@@ -17,6 +17,7 @@ from tether.engine import EngineConfig, LLMEngine, SamplingParams, cpu_kernels
 from tether.engine.cpu_kernels import (
     PackedLinear,
     PackedWeights,
+    is_onednn_bf16_available,
     is_onednn_linear_available,
     is_worth_packing,
     pack_linears,
@@ -41,9 +42,13 @@ class TwoLinears(nn.Module):
         return self.lm_head(torch.tanh(self.proj(x)))
 
 
-def packed_model(seed: int = 0) -> tuple[TwoLinears, PackedWeights]:
+needs_bf16 = pytest.mark.skipif(not is_onednn_bf16_available(), reason="oneDNN has no bf16 kernels for this CPU")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)]
+
+
+def packed_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[TwoLinears, PackedWeights]:
     torch.manual_seed(seed)
-    model = TwoLinears()
+    model = TwoLinears().to(dtype)
     return model, pack_linears(model, is_lm_head_packed=True, layer_mode="always")
 
 
@@ -51,16 +56,38 @@ def plain_forward(model: TwoLinears, x: torch.Tensor) -> torch.Tensor:
     return F.linear(torch.tanh(F.linear(x, model.proj.weight, model.proj.bias)), model.lm_head.weight)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows", [1, 2, 7, 64])
-def test_packed_linears_equal_linear(num_rows):
-    model, packed = packed_model()
+def test_packed_linears_equal_linear(num_rows, dtype):
+    model, packed = packed_model(dtype=dtype)
     assert isinstance(model.proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
     assert len(packed) == 2
-    x = torch.randn(3, num_rows, 32)  # leading dims are kept
+    x = torch.randn(3, num_rows, 32, dtype=dtype)  # leading dims are kept
     with torch.inference_mode(), packed.serving():
         out = model(x)
-    torch.testing.assert_close(out, plain_forward(model, x), atol=1e-5, rtol=1e-5)
+    assert out.dtype == dtype
+    # bf16: the same bf16 products with fp32 accumulation; a rounding apart at most
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, plain_forward(model, x), atol=tol, rtol=tol)
     assert packed.num_reorders == 2
+    if dtype == torch.bfloat16:  # a bf16 head multiplies its packed copy even for one row
+        assert model.lm_head.__dict__["min_rows"] == 1
+
+
+@needs_bf16
+@pytest.mark.parametrize("change", ["copy_ through .data", "in-place op through .data", "in-place op"])
+def test_bf16_packed_weights_follow_changes_without_a_version_bump(change):
+    """bf16 weights are sampled as 16-bit patterns: a change no version counter shows is still found."""
+    model, packed = packed_model(dtype=torch.bfloat16)
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    with torch.inference_mode(), packed.serving():
+        model(x)
+    with torch.no_grad():
+        CHANGES[change](model.lm_head.weight)
+    with torch.inference_mode(), packed.serving():
+        out = model(x)
+    torch.testing.assert_close(out, plain_forward(model, x), atol=1e-2, rtol=1e-2)
+    assert packed.num_reorders == 3
 
 
 def test_packed_linear_is_plain_linear_outside_serving():
@@ -249,8 +276,19 @@ def test_only_large_heads_are_worth_packing(monkeypatch):
     assert is_worth_packing(torch.zeros(32000, 384))
 
 
+@needs_bf16
+def test_auto_packs_every_bf16_linear(monkeypatch):
+    """A plain bf16 linear is oneDNN's too (reordering its weight every call): every one is packed."""
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernels, "cpu_vendor", lambda: "GenuineIntel")  # not decided by MKL's speed
+    assert is_worth_packing(torch.zeros(100, 96, dtype=torch.bfloat16))
+    assert cpu_kernels.is_layer_worth_packing(torch.zeros(128, 96, dtype=torch.bfloat16))
+    assert not is_onednn_linear_available(torch.zeros(8, 8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tie", [False, True])
-def test_engine_with_packed_linears_matches_plain_linears(tmp_path, tie):
+def test_engine_with_packed_linears_matches_plain_linears(tmp_path, tie, dtype):
     path = make_hf_checkpoint(tmp_path / "ckpt", "qwen2", seed=5, tie=tie)
     prompts = [[5, 6, 7, 8, 9], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7, n=3)
@@ -258,12 +296,13 @@ def test_engine_with_packed_linears_matches_plain_linears(tmp_path, tie):
     def run(is_packed: bool):
         mode = "always" if is_packed else "never"
         config = EngineConfig(num_kv_blocks=64, block_size=4, cpu_pack_lm_head=is_packed, cpu_pack_linears=mode)
-        engine = LLMEngine(load_model(path), config=config)
+        engine = LLMEngine(load_model(path).to(dtype), config=config)
         num_linears = sum(isinstance(m, nn.Linear) for m in engine.model.modules())
         assert len(engine.runner.packed) == (num_linears if is_packed else 0)
         return engine.generate(prompts, params)
 
-    assert_same_completions(run(True), run(False), atol=1e-5)
+    # bf16: the same products (the packed copies gave identical bits where measured), a rounding apart
+    assert_same_completions(run(True), run(False), atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_a_bad_pack_mode_is_a_config_error():
