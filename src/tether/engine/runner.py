@@ -16,7 +16,7 @@ import torch
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
 from tether.engine.cpu_kernels import PackedWeights, choose_decode_layout, pack_linears
-from tether.engine.kv_cache import DecodeKV, KVCache
+from tether.engine.kv_cache import DecodeKV, KVCache, decode_key_dtype
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
 
@@ -86,10 +86,11 @@ class ModelRunner:
             cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
-        # Decode rows read contiguous copies of their KV (at most the pool's size again in memory), in
-        # the key layout this CPU's decode matmuls stream fastest (fp32: cpu_kernels.choose_decode_layout).
-        is_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        keys_transposed = choose_decode_layout() if is_cpu_fp32 else None
+        # Decode rows read contiguous copies of their KV (at most the pool's size again in memory; 1.5x
+        # for bf16, whose keys are held in fp32), in the key layout this CPU's decode matmuls stream
+        # fastest (fp32 keys: cpu_kernels.choose_decode_layout).
+        is_fp32_keys = decode_key_dtype(self.dtype, self.device) == torch.float32
+        keys_transposed = choose_decode_layout() if is_fp32_keys and self.device.type == "cpu" else None
         self.decode_kv = DecodeKV(self.cache, num_blocks * block_size, keys_transposed)
         self.packed = PackedWeights([])
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
@@ -175,14 +176,16 @@ def use_transposed_weight_layout(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_block(model: DecoderModel, block_size: int) -> int:
-    """Memory one block of the pool costs in all: the pool's block plus the same again that the
-    contiguous decode copies (``DecodeKV``, capped at the pool's size) may hold."""
+    """Memory one block of the pool costs in all: the pool's block plus what the contiguous decode
+    copies (``DecodeKV``, capped at the pool's tokens) may hold: the same again, or 1.5x where they
+    hold a bf16 pool's keys in fp32."""
     first = next(iter(model.parameters()))
     cfg = model.config
     pool_block = KVCache.bytes_per_block(
         cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, first.dtype
     )
-    return 2 * pool_block
+    key_size = decode_key_dtype(first.dtype, first.device).itemsize
+    return pool_block + pool_block // 2 * key_size // first.dtype.itemsize + pool_block // 2
 
 
 def num_kv_blocks_for(
