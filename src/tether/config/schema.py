@@ -193,13 +193,15 @@ class EngineSection(Section):
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     recompute_kv_on_update: bool = Field(False, description="On a weight update, recompute the KV of "
                                          "sequences in flight instead of keeping it.")
-    cpu_pack_lm_head: bool = Field(True, description="CPU, fp32: compute logits through a "
-                                   "oneDNN-reordered copy of the vocabulary projection when it is at "
-                                   "least 8 MB (faster; costs its size in memory once more).")
+    cpu_pack_lm_head: bool = Field(True, description="CPU: compute logits through a "
+                                   "oneDNN-reordered copy of the vocabulary projection: fp32 when it is "
+                                   "at least 8 MB, bf16 where oneDNN has native bf16 (faster; costs its "
+                                   "size in memory once more).")
     cpu_pack_linears: Literal["auto", "always", "never"] = Field(
-        "auto", description="CPU, fp32: the decoder layers' linears through oneDNN-reordered weight "
-        "copies: `auto` for those 256 or more wide on CPUs where MKL runs its generic kernels "
-        "(non-Intel x86), `always`, or `never` (costs the layers' size in memory once more when on).")
+        "auto", description="CPU: the decoder layers' linears through oneDNN-reordered weight "
+        "copies: `auto` for every bf16 one where oneDNN has native bf16, and fp32 ones 256 or more wide "
+        "on CPUs where MKL runs its generic kernels (non-Intel x86), `always`, or `never` (costs the "
+        "layers' size in memory once more when on).")
 
 
 class TrainerSection(Section):

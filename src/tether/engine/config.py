@@ -29,12 +29,13 @@ class EngineConfig:
     recompute_kv_on_update: bool = False
     stop_token_ids: tuple[int, ...] = ()  # added to every request's stop ids (e.g. the tokenizer's EOS)
     seed: int = 0  # seeds requests that bring no seed of their own
-    # CPU, fp32: compute logits through a oneDNN-reordered copy of the vocabulary projection when it
-    # is at least 8 MB (``tether.engine.cpu_kernels``): 1.2-2.3x faster logits, at its size in memory.
+    # CPU: compute logits through a oneDNN-reordered copy of the vocabulary projection when it is
+    # fp32 of at least 8 MB, or bf16 with native oneDNN bf16 (``tether.engine.cpu_kernels``): 1.2-2.3x
+    # faster logits (fp32), at its size in memory.
     cpu_pack_lm_head: bool = True
-    # CPU, fp32: the decoder layers' linears (256+ wide) through oneDNN-reordered copies too: "auto"
-    # on CPUs where MKL runs its generic kernels (non-Intel x86; on an AMD EPYC host 1.3-2.6x faster
-    # decode-step linears), "always", or "never". Either path computes the same fp32 products in
+    # CPU: the decoder layers' linears through oneDNN-reordered copies too: "auto" for every bf16 one
+    # (native oneDNN bf16), fp32 ones 256+ wide on CPUs where MKL runs its generic kernels (non-Intel
+    # x86; on an AMD EPYC host 1.3-2.6x faster decode-step linears), "always", or "never". Either path computes the same fp32 products in
     # another order (~1e-6 relative).
     cpu_pack_linears: str = "auto"
     # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged):
