@@ -35,8 +35,8 @@ class EngineConfig:
     cpu_pack_lm_head: bool = True
     # CPU: the decoder layers' linears through oneDNN-reordered copies too: "auto" for every bf16 one
     # (native oneDNN bf16), fp32 ones 256+ wide on CPUs where MKL runs its generic kernels (non-Intel
-    # x86; on an AMD EPYC host 1.3-2.6x faster decode-step linears), "always", or "never". Either path computes the same fp32 products in
-    # another order (~1e-6 relative).
+    # x86; on an AMD EPYC host 1.3-2.6x faster decode-step linears), "always", or "never". Either
+    # path computes the same products in another order (fp32: ~1e-6 relative; bf16: the same bits).
     cpu_pack_linears: str = "auto"
     # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged):
     # "ngram" proposes by prompt lookup, "draft" by a small model passed as LLMEngine(draft_model=...).
