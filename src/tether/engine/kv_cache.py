@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from tether.engine.cpu_kernels import choose_decode_layout
+
 
 class SeqSpan(Protocol):
     """What a step computes for one sequence (``tether.engine.attention.SeqSpan``): tokens
@@ -109,11 +111,9 @@ def _tokens_dim(is_transposed: bool) -> int:
 
 
 def decode_key_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype ``DecodeKV`` holds the keys of a ``dtype`` pool in: fp32 for fp32 and bf16 pools on
-    CPU (decode scores by an fp32 matmul), the pool's own otherwise."""
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        return torch.float32
-    return dtype
+    """The dtype ``DecodeKV`` holds the keys of a ``dtype`` pool in: fp32 for a bf16 pool on CPU (its
+    decode scores by the fp32 matmul), the pool's own otherwise."""
+    return torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
 
 
 class DecodeKV:
@@ -144,12 +144,15 @@ class DecodeKV:
     """
 
     def __init__(self, pool: KVCache, max_tokens: int, keys_transposed: bool | None = None) -> None:
-        """``keys_transposed`` None: transposed for fp32 keys (the decode matmuls), ``[C, D]`` otherwise."""
+        """``keys_transposed`` None: fp32 keys in the layout this CPU's decode matmuls stream fastest
+        (``cpu_kernels.choose_decode_layout``; transposed on other devices), ``[C, D]`` otherwise."""
         num_layers, _, _, num_kv_heads, head_dim = pool.k.shape
         self.max_tokens = max_tokens
         self.key_dtype = decode_key_dtype(pool.k.dtype, pool.k.device)
         is_fp32 = self.key_dtype == torch.float32
-        self.keys_transposed = is_fp32 if keys_transposed is None else keys_transposed
+        if keys_transposed is None:
+            keys_transposed = is_fp32 and (pool.k.device.type != "cpu" or choose_decode_layout())
+        self.keys_transposed = keys_transposed
         if not is_fp32 and self.keys_transposed:
             raise ValueError("DecodeKV: only fp32 keys may be transposed (other dtypes attend through SDPA)")
         self._dims = (num_layers, num_kv_heads, head_dim)

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
-from tether.engine.cpu_kernels import PackedWeights, choose_decode_layout, pack_linears
+from tether.engine.cpu_kernels import PackedWeights, pack_linears
 from tether.engine.kv_cache import DecodeKV, KVCache, decode_key_dtype
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
@@ -86,17 +86,14 @@ class ModelRunner:
             cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
-        # Decode rows read contiguous copies of their KV (at most the pool's size again in memory; 1.5x
-        # for bf16, whose keys are held in fp32), in the key layout this CPU's decode matmuls stream
-        # fastest (fp32 keys: cpu_kernels.choose_decode_layout).
-        is_fp32_keys = decode_key_dtype(self.dtype, self.device) == torch.float32
-        keys_transposed = choose_decode_layout() if is_fp32_keys and self.device.type == "cpu" else None
-        self.decode_kv = DecodeKV(self.cache, num_blocks * block_size, keys_transposed)
+        # Decode rows read contiguous copies of their KV: at most the pool's tokens (see kv_bytes_per_block).
+        self.decode_kv = DecodeKV(self.cache, num_blocks * block_size)
         self.packed = PackedWeights([])
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
             use_transposed_weight_layout(model)
-            # CPU fp32: a large vocabulary projection, and the layers' linears on CPUs where MKL is
-            # slow, multiply by oneDNN-reordered copies of their weights (cpu_kernels).
+            # The vocabulary projection and the layers' linears multiply by oneDNN-reordered copies of
+            # their weights where that is faster (fp32: large or on CPUs where MKL is slow; bf16 with
+            # native oneDNN bf16: cpu_kernels).
             self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears)
 
     @torch.inference_mode()
@@ -184,8 +181,9 @@ def kv_bytes_per_block(model: DecoderModel, block_size: int) -> int:
     pool_block = KVCache.bytes_per_block(
         cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, first.dtype
     )
-    key_size = decode_key_dtype(first.dtype, first.device).itemsize
-    return pool_block + pool_block // 2 * key_size // first.dtype.itemsize + pool_block // 2
+    pool_keys = pool_values = pool_block // 2
+    copy_keys = pool_keys // first.dtype.itemsize * decode_key_dtype(first.dtype, first.device).itemsize
+    return pool_block + copy_keys + pool_values
 
 
 def num_kv_blocks_for(
