@@ -82,7 +82,7 @@ def test_split_by_length_groups_short_and_long_rows():
 
 @pytest.mark.parametrize("keys_transposed", [True, False])
 def test_bf16_decode_from_decode_kv_is_as_accurate_as_sdpa(keys_transposed):
-    # A bf16 model's decode rows read keys held in fp32 and score by an fp32 matmul: against exact
+    # A bf16 model's decode rows read KV held in fp32 and attend by fp32 matmuls: against exact
     # attention over the same bf16 inputs, about as close as SDPA's bf16 kernel (fp32 scores inside).
     # Scores rounded to bf16 (a bf16 matmul, transformers' eager attention) were 5x as far.
     torch.manual_seed(1)
@@ -103,7 +103,7 @@ def test_bf16_decode_from_decode_kv_is_as_accurate_as_sdpa(keys_transposed):
         full_k.append(k)
         full_v.append(v)
     decode_kv = DecodeKV(cache, 1000, keys_transposed)
-    assert decode_kv.k.dtype == torch.float32 and decode_kv.v.dtype == torch.bfloat16
+    assert decode_kv.k.dtype == torch.float32 and decode_kv.v.dtype == torch.float32
     decode_kv_rows = decode_kv.assign(spans, cache, BLOCK_SIZE)
     meta = build_step_metadata(spans, BLOCK_SIZE, None, torch.bfloat16, torch.device("cpu"), decode_kv_rows)
     num_tokens = sum(n for _, n in layout)
@@ -131,4 +131,4 @@ def test_bf16_decode_from_decode_kv_is_as_accurate_as_sdpa(keys_transposed):
             torch.testing.assert_close(out[offset : offset + num_new], sdpa, atol=1e-2, rtol=0)
         offset += num_new
     error, sdpa_error = torch.stack(errors).mean().item(), torch.stack(sdpa_errors).mean().item()
-    assert error <= 1.5 * sdpa_error, (error, sdpa_error)
+    assert error <= 1.1 * sdpa_error, (error, sdpa_error)

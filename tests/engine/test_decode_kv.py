@@ -31,8 +31,8 @@ def _generate(
     config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=24)
     engine = LLMEngine(load_model(path).to(dtype), config=config)
     runner = engine.runner
-    # bf16 keys are held in fp32 (scored by the fp32 matmul), in the CPU's faster layout like fp32's
-    assert runner.decode_kv.key_dtype == torch.float32
+    # bf16 KV is held in fp32 (attended by the fp32 matmuls), keys in the CPU's faster layout like fp32's
+    assert runner.decode_kv.kv_dtype == torch.float32
     if keys_transposed is not None:  # before the first step: the copies are still empty
         runner.decode_kv = DecodeKV(runner.cache, runner.decode_kv.max_tokens, keys_transposed)
     if not use_decode_kv:
@@ -56,7 +56,7 @@ def test_engine_samples_the_same_with_and_without_decode_kv(model_path, num_kv_b
 
 @pytest.mark.parametrize("keys_transposed", KEY_LAYOUTS)
 def test_bf16_copies_are_as_accurate_as_the_pool(model_path, keys_transposed):
-    # bf16: the copies hold keys in fp32 and score by an fp32 matmul, the pool's rows go through
+    # bf16: the copies hold KV in fp32 and attend by fp32 matmuls, the pool's rows go through
     # SDPA's bf16 kernel; their roundings differ (a sampled token near a CDF boundary can flip), so
     # each path's log-probs are held to an fp32 forward over its own samples, not to each other.
     hf = AutoModelForCausalLM.from_pretrained(model_path).float().eval()
@@ -74,7 +74,7 @@ def test_bf16_copies_are_as_accurate_as_the_pool(model_path, keys_transposed):
 
 def test_only_fp32_copies_are_transposed():
     bf16 = KVCache.allocate(1, 4, BLOCK_SIZE, 2, 8, torch.bfloat16, torch.device("cpu"))
-    assert DecodeKV(bf16, max_tokens=16, keys_transposed=True).key_dtype == torch.float32  # keys held in fp32
+    assert DecodeKV(bf16, max_tokens=16, keys_transposed=True).kv_dtype == torch.float32  # KV held in fp32
     fp16 = KVCache.allocate(1, 4, BLOCK_SIZE, 2, 8, torch.float16, torch.device("cpu"))
     with pytest.raises(ValueError, match="only fp32 keys may be transposed"):
         DecodeKV(fp16, max_tokens=16, keys_transposed=True)
@@ -92,19 +92,19 @@ def _held(copy: torch.Tensor, is_transposed: bool, slot: int, length: int) -> to
     return held[..., :length].transpose(-1, -2) if is_transposed else held[:, :length]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: keys held in fp32
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: KV held in fp32
 @pytest.mark.parametrize("keys_transposed", KEY_LAYOUTS)
 def test_assign_keeps_continuing_rows_compacts_and_refills(keys_transposed, dtype):
     pool = KVCache.allocate(1, 16, BLOCK_SIZE, 2, 8, dtype, torch.device("cpu"))
     pool.k.copy_(torch.randn(pool.k.shape))
     pool.v.copy_(torch.randn(pool.v.shape))
     decode_kv = DecodeKV(pool, 1000, keys_transposed)
-    assert decode_kv.k.dtype == torch.float32 and decode_kv.v.dtype == dtype
+    assert decode_kv.k.dtype == torch.float32 and decode_kv.v.dtype == torch.float32
 
     def assert_holds(slot: int, span: SeqSpan, length: int) -> None:
         held_keys = _held(decode_kv.k, keys_transposed, slot, length)
         assert torch.equal(held_keys.to(dtype), _pool_context(pool.k, span, length))
-        assert torch.equal(_held(decode_kv.v, False, slot, length), _pool_context(pool.v, span, length))
+        assert torch.equal(_held(decode_kv.v, False, slot, length).to(dtype), _pool_context(pool.v, span, length))
 
     tables = [[0, 1, 2], [3, 4], [5, 6, 7]]
     spans = [SeqSpan(9, 1, tables[0]), SeqSpan(2, 3, tables[1]), SeqSpan(5, 1, tables[1]),

@@ -16,7 +16,7 @@ import torch
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
 from tether.engine.cpu_kernels import PackedWeights, pack_linears
-from tether.engine.kv_cache import DecodeKV, KVCache, decode_key_dtype
+from tether.engine.kv_cache import DecodeKV, KVCache, decode_kv_dtype
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
 
@@ -174,16 +174,15 @@ def use_transposed_weight_layout(model: torch.nn.Module) -> int:
 
 def kv_bytes_per_block(model: DecoderModel, block_size: int) -> int:
     """Memory one block of the pool costs in all: the pool's block plus what the contiguous decode
-    copies (``DecodeKV``, capped at the pool's tokens) may hold: the same again, or 1.5x where they
-    hold a bf16 pool's keys in fp32."""
+    copies (``DecodeKV``, capped at the pool's tokens) may hold: the same again, or twice that where
+    they hold a bf16 pool's KV in fp32."""
     first = next(iter(model.parameters()))
     cfg = model.config
     pool_block = KVCache.bytes_per_block(
         cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, first.dtype
     )
-    pool_keys = pool_values = pool_block // 2
-    copy_keys = pool_keys // first.dtype.itemsize * decode_key_dtype(first.dtype, first.device).itemsize
-    return pool_block + copy_keys + pool_values
+    copies = pool_block // first.dtype.itemsize * decode_kv_dtype(first.dtype, first.device).itemsize
+    return pool_block + copies
 
 
 def num_kv_blocks_for(
