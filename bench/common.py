@@ -57,13 +57,15 @@ def cpu_model() -> str:
     return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
-def measure_matmul_gflops(size: int = MATMUL_SIZE, min_time_s: float = 0.5) -> float:
-    """Best fp32 GFLOP/s of ``size x size`` matmuls over repeated runs (best, not mean: other
-    processes on a shared machine only ever slow a run down, so the best is the machine's speed)."""
+def measure_matmul_gflops(size: int = MATMUL_SIZE, min_time_s: float = 0.5,
+                          dtype: torch.dtype = torch.float32) -> float:
+    """Best GFLOP/s of ``size x size`` matmuls in ``dtype`` (fp32 unless asked) over repeated runs
+    (best, not mean: other processes on a shared machine only ever slow a run down, so the best is the
+    machine's speed)."""
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=generator)
-    b = torch.randn(size, size, generator=generator)
-    out = torch.empty(size, size)
+    a = torch.randn(size, size, generator=generator).to(dtype)
+    b = torch.randn(size, size, generator=generator).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
     torch.matmul(a, b, out=out)  # warm-up: thread pool start, page faults
     flops = 2.0 * size**3
     best_s = float("inf")

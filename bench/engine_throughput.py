@@ -1,13 +1,14 @@
 """tether's rollout engine against transformers' generation, on a GRPO-shaped workload, in one run.
 
-    python bench/engine_throughput.py [--threads 2] [--repeats 2] [--quick]
+    python bench/engine_throughput.py [--threads 2] [--repeats 2] [--dtype float32] [--quick]
 
 Workload: ``num_prompts`` random prompts of 32-128 tokens, ``num_samples`` samples each, every sample
 with its own length budget drawn uniformly from [16, 256] (the same budgets for every system). Every
 sample generates exactly its budget (no EOS stop: ``ignore_eos``), so a system's *useful tokens* are
 the sum of the budgets, whatever it computes beyond them. One random Qwen2-shaped checkpoint (~38M
-parameters, vocabulary 32000) is written by transformers; tether loads that checkpoint. fp32, CPU,
-multinomial sampling at temperature 1.0, top_p 1.0, no top-k on every side.
+parameters, vocabulary 32000) is written by transformers; tether loads that checkpoint. fp32 (or
+``--dtype bfloat16`` on every side: weights, activations and KV; the matmul yardstick in that dtype
+too), CPU, multinomial sampling at temperature 1.0, top_p 1.0, no top-k on every side.
 
 Systems, each timed ``repeats`` times (best kept: other processes only ever slow a run down):
 
@@ -21,7 +22,8 @@ After the mixed comparison, the workload's compute roofline (``workload_flops`` 
 matmul rate: no engine that multiplies at that rate runs it faster) and the shares of it that
 tether reaches and that 10x ``generate_batch`` would need. Then the same with uniform budgets
 (every sample 256 tokens), tether vs ``generate``, and tether's decode throughput in FLOP/s against
-the machine's fp32 matmul rate (``decode_flops_per_token``) at the bench's batch and twice it.
+the machine's matmul rate in the model's dtype (``decode_flops_per_token``) at the bench's batch and
+twice it.
 """
 
 from __future__ import annotations
@@ -68,10 +70,26 @@ class BenchSettings:
     repeats: int = 2
     seed: int = 0
     skip_hf_paged: bool = False
+    dtype: str = "float32"  # of the model on every side: "float32" or "bfloat16"
 
     @property
     def num_rows(self) -> int:
         return self.num_prompts * self.num_samples
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def dtype_name(self) -> str:
+        return "fp32" if self.dtype == "float32" else "bf16"
+
+    def matmul_gflops(self) -> float:
+        """The machine's matmul rate now, in the model's dtype (``measure_matmul_gflops``)."""
+        return measure_matmul_gflops(dtype=self.torch_dtype)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 QUICK = dict(num_prompts=2, num_samples=2, min_prompt_tokens=8, max_prompt_tokens=16, min_budget=4,
@@ -273,8 +291,8 @@ def build_models(s: BenchSettings, directory: Path) -> tuple[torch.nn.Module, to
                        num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
                        intermediate_size=s.intermediate_size)
     hf.save_pretrained(directory)
-    tether = load_model(directory).eval()
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa")
+    tether = load_model(directory).to(s.torch_dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=s.torch_dtype, attn_implementation="sdpa")
     hf = hf.eval()
     return tether, hf
 
@@ -312,7 +330,7 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     else:
         lines, paged_rate = compare_hf_paged(s, hf, w, t_tokens / t_s)
         out.extend(lines)
-    gflops = max(gflops, measure_matmul_gflops())  # the start's figure may come from a busy moment
+    gflops = max(gflops, s.matmul_gflops())  # the start's figure may come from a busy moment
     out.extend(roofline_report(tether, w, s, gflops, t_tokens / t_s, paged_rate))
     uniform = w.with_budget(s.max_budget)
     u_s, u_tokens = best_time(lambda: run_tether(engine, uniform, s), s.repeats)
@@ -328,7 +346,7 @@ def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload,
     from transformers import AutoModelForCausalLM
 
     try:
-        paged = AutoModelForCausalLM.from_pretrained(hf.name_or_path, dtype=torch.float32,
+        paged = AutoModelForCausalLM.from_pretrained(hf.name_or_path, dtype=s.torch_dtype,
                                                      attn_implementation="paged|sdpa").eval()
         p_s, p_tokens = min(run_hf_paged(paged, w, s) for _ in range(s.repeats))
     except Exception as error:  # report why it cannot run here, and go on with the rest
@@ -341,7 +359,7 @@ def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload,
 
 def roofline_report(tether: torch.nn.Module, w: Workload, s: BenchSettings, gflops: float,
                     tether_rate: float, paged_rate: float | None) -> list[str]:
-    """The mixed run's compute roofline: its FLOPs (``workload_flops``) at the fp32 matmul rate
+    """The mixed run's compute roofline: its FLOPs (``workload_flops``) at the matmul rate in its dtype
     (the higher of the run's start and a measurement after the mixed comparisons). A lower bound on
     its time for any engine that multiplies no faster than that yardstick (memory traffic only adds
     to it), and the shares of the resulting rate that tether reaches and that 10x transformers'
@@ -358,21 +376,21 @@ def roofline_report(tether: torch.nn.Module, w: Workload, s: BenchSettings, gflo
 
 def decode_flops_report(s: BenchSettings, tether: torch.nn.Module, matmul_gflops: float,
                         num_rows: int) -> list[str]:
-    """Decode FLOP/s at ``num_rows`` against the fp32 matmul rate: the highest of the run's start
+    """Decode FLOP/s at ``num_rows`` against the matmul rate in the model's dtype: the highest of the run's start
     (``matmul_gflops``) and two measurements just before and after the decode steps, so a host that
     was busy at the start cannot inflate the ratio, nor one busy only during the decode deflate it
     unseen (both adjacent figures are printed)."""
     engine = tether_engine(tether, s)
-    before = measure_matmul_gflops()
+    before = s.matmul_gflops()
     step_s, context_len, rows = measure_decode(engine, s, num_rows)
-    after = measure_matmul_gflops()
+    after = s.matmul_gflops()
     reference = max(matmul_gflops, before, after)
     flops = decode_flops_per_token(tether, context_len)
     gflops = flops * rows / step_s / 1e9
     return [f"decode at batch {rows}, mean context {context_len:.0f}: {step_s * 1e3:.1f} ms/step, "
             f"{flops / 1e6:.1f} MFLOP/token (2 x layer params + 2 x hidden x vocab + "
             f"4 x layers x context x heads x head_dim)",
-            f"decode achieved {gflops:.1f} GFLOP/s vs fp32 matmul {reference:.1f} GFLOP/s (the highest "
+            f"decode achieved {gflops:.1f} GFLOP/s vs {s.dtype_name} matmul {reference:.1f} GFLOP/s (the highest "
             f"of {matmul_gflops:.1f} at the start, {before:.1f} before and {after:.1f} after these steps): "
             f"ratio {gflops / reference:.2f}"]
 
@@ -385,13 +403,15 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSettings:
     p.add_argument("--quick", action="store_true", help="a tiny model and workload: a smoke test")
     p.add_argument("--skip-hf-paged", action="store_true", help="leave out transformers' continuous batching")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype,
+                   help="the model's dtype on every side (the matmul yardstick's too)")
     a = p.parse_args(argv)
     s = BenchSettings(**QUICK) if a.quick else d
     repeats = a.repeats if a.repeats is not None else s.repeats
     if repeats < 1 or a.threads < 0:
         p.error(f"--repeats must be >= 1 and --threads >= 0, got {repeats}, {a.threads}")
     return dataclasses.replace(s, threads=a.threads, repeats=repeats, seed=a.seed,
-                               skip_hf_paged=a.skip_hf_paged)
+                               skip_hf_paged=a.skip_hf_paged, dtype=a.dtype)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -408,14 +428,18 @@ def main(argv: Sequence[str] | None = None) -> None:
               flush=True)
         print(f"model: qwen2 {num_params / 1e6:.1f}M parameters, hidden {s.hidden_size} x {s.num_layers} "
               f"layers, "
-              f"vocab {s.vocab_size}, fp32; workload: {s.num_prompts} prompts x {s.num_samples} samples, "
+              f"vocab {s.vocab_size}, {s.dtype_name}; workload: {s.num_prompts} prompts x {s.num_samples} samples, "
               f"prompts {s.min_prompt_tokens}-{s.max_prompt_tokens} tokens, budgets {s.min_budget}-"
               f"{s.max_budget} ({w.num_useful_tokens} useful tokens); best of {s.repeats}", flush=True)
+        gflops = machine.matmul_gflops  # fp32
+        if s.torch_dtype != torch.float32:
+            gflops = s.matmul_gflops()
+            print(f"{s.dtype_name} matmul {gflops:.1f} GFLOP/s (the yardstick of this run)", flush=True)
         with torch.inference_mode():
-            compare(s, tether, hf, w, machine.matmul_gflops)
+            compare(s, tether, hf, w, gflops)
             # The bench's batch and twice it (a GRPO step of 16 prompts x 16 samples decodes 256 rows).
             for num_rows in (s.decode_batch, 2 * s.decode_batch):
-                Printer().extend(decode_flops_report(s, tether, machine.matmul_gflops, num_rows))
+                Printer().extend(decode_flops_report(s, tether, gflops, num_rows))
     print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}", flush=True)
 
 

@@ -7,14 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "engine_throughput.py"
 RATE_LINE = re.compile(r"^(.+?) +(\d+) useful tokens in +(\d+\.\d+) s = +(\d+\.\d+) tokens/s$", re.MULTILINE)
 RATIO_LINE = re.compile(r"^ratio tether / (generate \(mixed budgets\)|generate_batch|generate \(uniform "
                         r"budgets\)): (\d+\.\d+|n/a)$", re.MULTILINE)
 
 
-def test_engine_bench_prints_rates_and_ratios() -> None:
-    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--threads", "1"],
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_bench_prints_rates_and_ratios(dtype: str) -> None:
+    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--threads", "1", "--dtype", dtype],
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
@@ -32,7 +35,8 @@ def test_engine_bench_prints_rates_and_ratios() -> None:
     tether_rate = rates["tether LLMEngine (mixed budgets)"][1]
     expected = tether_rate / rates["transformers generate (mixed budgets)"][1]
     assert abs(float(ratios["generate (mixed budgets)"]) - expected) <= 0.01 * expected + 0.01
-    flops = re.search(r"decode achieved (\d+\.\d+) GFLOP/s vs fp32 matmul (\d+\.\d+) GFLOP/s \(the highest "
+    name = {"float32": "fp32", "bfloat16": "bf16"}[dtype]  # the yardstick is a matmul in the model's dtype
+    flops = re.search(rf"decode achieved (\d+\.\d+) GFLOP/s vs {name} matmul (\d+\.\d+) GFLOP/s \(the highest "
                       r"of (\d+\.\d+) at the start, (\d+\.\d+) before and (\d+\.\d+) after these steps\): "
                       r"ratio (\d+\.\d+)", out)
     assert flops is not None, out
@@ -54,6 +58,7 @@ def test_engine_bench_prints_rates_and_ratios() -> None:
         assert need is not None, out
         assert abs(float(need.group(1)) - 10 * paged[1]) <= 0.01 * 10 * paged[1] + 0.1
     assert "with 1 threads" in out
+    assert f"vocab 1024, {name};" in out
 
 
 def test_workload_flops_by_hand() -> None:
