@@ -301,7 +301,7 @@ def test_engine_with_packed_linears_matches_plain_linears(tmp_path, tie, dtype):
         assert len(engine.runner.packed) == (num_linears if is_packed else 0)
         return engine.generate(prompts, params)
 
-    # bf16: the same products (the packed copies gave identical bits where measured), a rounding apart
+    # bf16: the same products (identical bits but for rare single roundings), a rounding apart
     assert_same_completions(run(True), run(False), atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from helpers.hf_tiny import make_hf_checkpoint
-from helpers.reference import full_forward_logprobs
 from tether.engine import EngineConfig, LLMEngine, SamplingParams
 from tether.engine.attention import SeqSpan
 from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.models import load_model
+from tether.training.scoring import SamplingView, completion_logprobs
 
 BLOCK_SIZE = 4
 
@@ -31,8 +30,8 @@ def _generate(
     config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=24)
     engine = LLMEngine(load_model(path).to(dtype), config=config)
     runner = engine.runner
-    # bf16 KV is held in fp32 (attended by the fp32 matmuls), keys in the CPU's faster layout like fp32's
-    assert runner.decode_kv.kv_dtype == torch.float32
+    if dtype != torch.float32:  # bf16 keeps SDPA's layout (fp32 scores); fp32 takes the CPU's faster one
+        assert not runner.decode_kv.keys_transposed
     if keys_transposed is not None:  # before the first step: the copies are still empty
         runner.decode_kv = DecodeKV(runner.cache, runner.decode_kv.max_tokens, keys_transposed)
     if not use_decode_kv:
@@ -54,30 +53,39 @@ def test_engine_samples_the_same_with_and_without_decode_kv(model_path, num_kv_b
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
-@pytest.mark.parametrize("keys_transposed", KEY_LAYOUTS)
-def test_bf16_copies_are_as_accurate_as_the_pool(model_path, keys_transposed):
-    # bf16: the copies hold KV in fp32 and attend by fp32 matmuls, the pool's rows go through
-    # SDPA's bf16 kernel; their roundings differ (a sampled token near a CDF boundary can flip), so
-    # each path's log-probs are held to an fp32 forward over its own samples, not to each other.
-    hf = AutoModelForCausalLM.from_pretrained(model_path).float().eval()
-    errors = {}
-    for use_decode_kv in (True, False):
-        completions, stats = _generate(
-            model_path, use_decode_kv, 200, torch.bfloat16, keys_transposed if use_decode_kv else None
-        )
-        params = SamplingParams(temperature=1.0)
-        errors[use_decode_kv] = torch.cat([
-            (torch.tensor(c.logprobs) - full_forward_logprobs(hf, c, params)).abs() for c in completions
-        ]).mean().item()
-    assert errors[True] <= 1.5 * errors[False] + 1e-3, errors
+def test_bf16_engine_samples_the_same_with_and_without_decode_kv(model_path):
+    with_copies, _ = _generate(model_path, True, 200, torch.bfloat16)
+    gathered, _ = _generate(model_path, False, 200, torch.bfloat16)
+    for a, b in zip(with_copies, gathered):
+        assert a.token_ids == b.token_ids
+        # bf16 rounding: the two paths differed by up to 0.017 before keys were ever transposed
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.05)
+
+
+def test_bf16_engine_logprobs_stay_close_to_the_bf16_trainer(model_path):
+    # A bf16 engine's log-probs feed the loop's importance weights against the bf16 trainer's: its
+    # decode rows attend by SDPA on bf16 copies, the trainer's forward's kernel. Copies held in fp32
+    # for the fp32 matmuls (as accurate against an fp32 reference) measured 0.0053 here, this 0.0011.
+    engine = LLMEngine(load_model(model_path).to(torch.bfloat16),
+                       config=EngineConfig(num_kv_blocks=400, block_size=BLOCK_SIZE, max_num_batched_tokens=64))
+    assert engine.runner.decode_kv.k.dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (7, 3, 17, 1, 12, 9, 25, 5)]
+    completions = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=60, seed=3, n=4))
+    assert engine.runner.decode_kv.num_slots > 0  # the decode rows did read the copies
+    trainer = load_model(model_path).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        logprobs, _ = completion_logprobs(trainer, [c.prompt_ids for c in completions],
+                                          [c.token_ids for c in completions], SamplingView())
+    gaps = torch.cat([(logprobs[i, : len(c.token_ids)] - torch.tensor(c.logprobs)).abs()
+                      for i, c in enumerate(completions)])
+    assert gaps.mean().item() < 0.0025, gaps.mean().item()
 
 
 def test_only_fp32_copies_are_transposed():
-    bf16 = KVCache.allocate(1, 4, BLOCK_SIZE, 2, 8, torch.bfloat16, torch.device("cpu"))
-    assert DecodeKV(bf16, max_tokens=16, keys_transposed=True).kv_dtype == torch.float32  # KV held in fp32
-    fp16 = KVCache.allocate(1, 4, BLOCK_SIZE, 2, 8, torch.float16, torch.device("cpu"))
+    pool = KVCache.allocate(1, 4, BLOCK_SIZE, 2, 8, torch.bfloat16, torch.device("cpu"))
     with pytest.raises(ValueError, match="only fp32 keys may be transposed"):
-        DecodeKV(fp16, max_tokens=16, keys_transposed=True)
+        DecodeKV(pool, max_tokens=16, keys_transposed=True)
 
 
 def _pool_context(pool: torch.Tensor, span: SeqSpan, length: int) -> torch.Tensor:
@@ -92,19 +100,16 @@ def _held(copy: torch.Tensor, is_transposed: bool, slot: int, length: int) -> to
     return held[..., :length].transpose(-1, -2) if is_transposed else held[:, :length]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: KV held in fp32
 @pytest.mark.parametrize("keys_transposed", KEY_LAYOUTS)
-def test_assign_keeps_continuing_rows_compacts_and_refills(keys_transposed, dtype):
-    pool = KVCache.allocate(1, 16, BLOCK_SIZE, 2, 8, dtype, torch.device("cpu"))
+def test_assign_keeps_continuing_rows_compacts_and_refills(keys_transposed):
+    pool = KVCache.allocate(1, 16, BLOCK_SIZE, 2, 8, torch.float32, torch.device("cpu"))
     pool.k.copy_(torch.randn(pool.k.shape))
     pool.v.copy_(torch.randn(pool.v.shape))
     decode_kv = DecodeKV(pool, 1000, keys_transposed)
-    assert decode_kv.k.dtype == torch.float32 and decode_kv.v.dtype == torch.float32
 
     def assert_holds(slot: int, span: SeqSpan, length: int) -> None:
-        held_keys = _held(decode_kv.k, keys_transposed, slot, length)
-        assert torch.equal(held_keys.to(dtype), _pool_context(pool.k, span, length))
-        assert torch.equal(_held(decode_kv.v, False, slot, length).to(dtype), _pool_context(pool.v, span, length))
+        assert torch.equal(_held(decode_kv.k, keys_transposed, slot, length), _pool_context(pool.k, span, length))
+        assert torch.equal(_held(decode_kv.v, False, slot, length), _pool_context(pool.v, span, length))
 
     tables = [[0, 1, 2], [3, 4], [5, 6, 7]]
     spans = [SeqSpan(9, 1, tables[0]), SeqSpan(2, 3, tables[1]), SeqSpan(5, 1, tables[1]),

@@ -30,8 +30,8 @@ from tether.engine.kv_cache import DecodeKV, KVCache, SlotWrites
 _MIN_ROWS_TO_SPLIT = 8
 _MIN_SPLIT_GAIN = 0.8
 _MAX_SPLITS = 2
-# Decode rows read from ``DecodeKV`` in fp32 (fp32 and bf16 models on CPU) attend with matmul +
-# softmax; fp32 rows gathered from the pool do so up to this many keys (CPU), through SDPA beyond.
+# fp32 decode rows read from ``DecodeKV`` attend with matmul + softmax; rows gathered from the pool
+# do so up to this many keys (CPU), through SDPA beyond.
 _MAX_KEYS_MATMUL_DECODE = 128
 
 
@@ -269,15 +269,10 @@ def _attend_decode(
     """One query per row: keys transposed ``[S, Hkv, D, Lk]`` (contiguous or a transposed view:
     ``DecodeKV``'s layouts, or a pool gather), values ``[S, Hkv, Lk, D]`` -> ``[S, Hq, D]``.
 
-    ``is_matmul`` (fp32 KV): two batched matmuls and a softmax instead of SDPA. They beat SDPA's CPU
+    ``is_matmul`` (fp32): two batched matmuls and a softmax instead of SDPA. They beat SDPA's CPU
     kernel: for short contexts its per-(row, head) set-up dominates a 2 x 16 score tile (1.3-1.8x at
     16-32 keys, even at 128); for long ones both matmuls are memory-bound, and with the faster layout
-    for the CPU they stream K and V at close to its bandwidth. A bf16 model's ``DecodeKV`` holds its
-    KV in fp32 for this: scores in fp32 as in SDPA (which then rounds the probabilities to bf16; these
-    stay fp32), faster than SDPA's bf16 kernel (with fp32 keys and bf16 values: 1.3x at 128 rows x
-    176 keys and 1.5x at 64 x 512, AMD EPYC, 2 threads). A bf16 score matmul was faster still at
-    short contexts but rounds the scores: 5x SDPA's mean error at scores of ~4. The rows come back in
-    ``q``'s dtype.
+    for the CPU they stream K and V at close to its bandwidth.
     """
     num_rows, num_kv_heads, head_dim, num_keys = keys_t.shape
     queries = q[group.query_index.view(-1)]  # [S, Hq, D]
@@ -290,7 +285,7 @@ def _attend_decode(
     else:
         keys = keys_t.transpose(-1, -2)  # [S, Hkv, Lk, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [S, Hkv, G, D]
-    return out.reshape(num_rows, -1, head_dim).to(q.dtype)  # [S, Hq, D]
+    return out.reshape(num_rows, -1, head_dim)  # [S, Hq, D]
 
 
 def _attend_prefill(

@@ -36,7 +36,8 @@ class EngineConfig:
     # CPU: the decoder layers' linears through oneDNN-reordered copies too: "auto" for every bf16 one
     # (native oneDNN bf16), fp32 ones 256+ wide on CPUs where MKL runs its generic kernels (non-Intel
     # x86; on an AMD EPYC host 1.3-2.6x faster decode-step linears), "always", or "never". Either
-    # path computes the same products in another order (fp32: ~1e-6 relative; bf16: the same bits).
+    # path computes the same products in another order (fp32: ~1e-6 relative; bf16: the same bits
+    # but for rare single roundings).
     cpu_pack_linears: str = "auto"
     # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged):
     # "ngram" proposes by prompt lookup, "draft" by a small model passed as LLMEngine(draft_model=...).

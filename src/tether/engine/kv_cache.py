@@ -110,12 +110,6 @@ def _tokens_dim(is_transposed: bool) -> int:
     return 4 if is_transposed else 3
 
 
-def decode_kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype ``DecodeKV`` holds the KV of a ``dtype`` pool in: fp32 for a bf16 pool on CPU (its
-    decode attends by the fp32 matmuls), the pool's own otherwise."""
-    return torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
-
-
 class DecodeKV:
     """Contiguous per-sequence copies of the KV of decode rows, kept across steps.
 
@@ -129,15 +123,13 @@ class DecodeKV:
     rows per KV head is memory-bound, and which layout MKL streams faster depends on the CPU: keys
     transposed ran it ~1.5x faster on an Intel Xeon (128 rows x 256 keys, 2 threads), ``[C, D]`` keys
     1.4x faster on an AMD EPYC (``cpu_kernels.choose_decode_layout`` picks by the CPU; values held
-    ``[D, C]`` were 1.6x slower there with the room slots keep to grow). A bf16 model's copies are
-    held in fp32 on CPU (``kv_dtype``), so that its decode attends by the same fp32 matmuls: scores as
-    exact as SDPA's kernel, which scores in fp32 (a bf16 matmul would round the scores), probabilities
-    not rounded to bf16, and faster (see ``attention._attend_decode``); the copies take twice the bf16
-    pool's bytes per token. bf16 values would cost a copy per layer and step: torch's bf16 ``bmm``
-    makes a strided slot view contiguous first (0.27 ms per layer at 128 rows x 176 keys, as long as
-    the matmul), its fp32 ``bmm`` reads the view as it is. Other dtypes and devices keep ``[C, D]``
-    keys in the pool's dtype and attend through SDPA (handed a transposed view, SDPA's CPU kernel
-    moved bf16 greedy log-probs by ~0.02).
+    ``[D, C]`` were 1.6x slower there with the room slots keep to grow). Other dtypes keep ``[C, D]``
+    keys and attend through SDPA, which scores in fp32 (a bf16 matmul would round the scores);
+    handed a transposed view, SDPA's CPU kernel moved bf16 greedy log-probs by ~0.02. A bf16
+    model's copies stay bf16 so that its decode rows attend by the same kernel as the trainer's
+    forward: copies held in fp32 for the fp32 matmuls were as close to an fp32 reference as SDPA and
+    no faster end to end, but put the engine's log-probs 5x further from the bf16 trainer's (mean
+    0.0053 against 0.0011), the mismatch the loop's importance weights correct for.
 
     A slot stays valid only while its sequence decodes in consecutive ``assign`` calls (same
     ``block_table`` object, ``start`` equal to the slot's length): any other path that writes its KV
@@ -151,8 +143,7 @@ class DecodeKV:
         (``cpu_kernels.choose_decode_layout``; transposed on other devices), ``[C, D]`` otherwise."""
         num_layers, _, _, num_kv_heads, head_dim = pool.k.shape
         self.max_tokens = max_tokens
-        self.kv_dtype = decode_kv_dtype(pool.k.dtype, pool.k.device)
-        is_fp32 = self.kv_dtype == torch.float32
+        is_fp32 = pool.k.dtype == torch.float32
         if keys_transposed is None:
             keys_transposed = is_fp32 and (pool.k.device.type != "cpu" or choose_decode_layout())
         self.keys_transposed = keys_transposed
@@ -160,7 +151,7 @@ class DecodeKV:
             raise ValueError("DecodeKV: only fp32 keys may be transposed (other dtypes attend through SDPA)")
         self._dims = (num_layers, num_kv_heads, head_dim)
         # Flat storage that only grows; k and v are views of its start in the current shape.
-        self._storage = {name: pool.k.new_zeros(0, dtype=self.kv_dtype) for name in ("k", "v")}
+        self._storage = {"k": pool.k.new_zeros(0), "v": pool.v.new_zeros(0)}
         self.k = self._storage["k"].view(self._shape(0, 0, self.keys_transposed))  # [L, R, Hkv, C, D] or [.., D, C]
         self.v = self._storage["v"].view(self._shape(0, 0, False))  # [L, R, Hkv, C, D]
         self.tables: list[list[int] | None] = []  # [R] each slot's block_table object

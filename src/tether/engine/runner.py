@@ -16,7 +16,7 @@ import torch
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
 from tether.engine.cpu_kernels import PackedWeights, pack_linears
-from tether.engine.kv_cache import DecodeKV, KVCache, decode_kv_dtype
+from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
 
@@ -86,7 +86,7 @@ class ModelRunner:
             cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
-        # Decode rows read contiguous copies of their KV: at most the pool's tokens (see kv_bytes_per_block).
+        # Decode rows read contiguous copies of their KV: at most the pool's size again in memory.
         self.decode_kv = DecodeKV(self.cache, num_blocks * block_size)
         self.packed = PackedWeights([])
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
@@ -173,16 +173,14 @@ def use_transposed_weight_layout(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_block(model: DecoderModel, block_size: int) -> int:
-    """Memory one block of the pool costs in all: the pool's block plus what the contiguous decode
-    copies (``DecodeKV``, capped at the pool's tokens) may hold: the same again, or twice that where
-    they hold a bf16 pool's KV in fp32."""
+    """Memory one block of the pool costs in all: the pool's block plus the same again that the
+    contiguous decode copies (``DecodeKV``, capped at the pool's size) may hold."""
     first = next(iter(model.parameters()))
     cfg = model.config
     pool_block = KVCache.bytes_per_block(
         cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, first.dtype
     )
-    copies = pool_block // first.dtype.itemsize * decode_kv_dtype(first.dtype, first.device).itemsize
-    return pool_block + copies
+    return 2 * pool_block
 
 
 def num_kv_blocks_for(
