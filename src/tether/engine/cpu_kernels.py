@@ -5,11 +5,11 @@ weight that oneDNN reordered once into its blocked layout (``PackedWeights`` own
 sgemm re-packs a weight on every call, which for a weight read once per step costs more than the
 multiply itself at small row counts. Which linears get a copy (``pack_linears``):
 
-* the vocabulary projection when it is at least 8 MB (``is_worth_packing``): 32000 x 384 took 11.4
-  ms at 2 rows and 40 ms at 128 through MKL against 5.1 and 31 ms reordered (Intel Xeon, 1 thread,
-  ``docs/benchmarks.md``). A single row stays on MKL's gemv, which streams the plain weight at
-  memory speed;
-* the decoder layers' linears of 256 or more inputs and outputs on CPUs where MKL's small-row
+* fp32: the vocabulary projection when it is at least 8 MB (``is_worth_packing``): 32000 x 384
+  took 11.4 ms at 2 rows and 40 ms at 128 through MKL against 5.1 and 31 ms reordered (Intel Xeon,
+  1 thread, ``docs/benchmarks.md``). A single row stays on MKL's gemv, which streams the plain
+  weight at memory speed;
+* fp32: the decoder layers' linears of 256 or more inputs and outputs on CPUs where MKL's small-row
   kernels are slow (``is_mkl_slow_here``): MKL picks its fast code paths for Intel CPUs only, while
   oneDNN dispatches by instruction set. On an AMD EPYC (Zen 4) host MKL ran every such linear of the
   engine benchmark's model at 0.4-0.8 of oneDNN's speed at 1-128 rows (1536 x 384 at 8 rows: 246
@@ -107,9 +107,11 @@ def is_layer_worth_packing(weight: torch.Tensor) -> bool:
 
 @functools.cache
 def is_onednn_bf16_available() -> bool:
-    """Whether oneDNN multiplies bf16 natively on this CPU (AVX-512 BF16 or AMX)."""
-    is_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(torch.backends.mkldnn.is_available() and is_supported is not None and is_supported())
+    """Whether oneDNN multiplies bf16 natively on this CPU: AVX-512 BF16 or AMX instructions. oneDNN
+    also runs bf16 on plain AVX-512 (``_is_mkldnn_bf16_supported`` says yes there), converting to
+    fp32, where the reordered copies measured no faster than a plain bf16 linear."""
+    is_native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return bool(torch.backends.mkldnn.is_available() and is_native)
 
 
 def is_onednn_linear_available(weight: torch.Tensor) -> bool:
