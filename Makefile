@@ -24,12 +24,13 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/pytest -n 2 -q tests
 
-# Every benchmark with the command docs/benchmarks.md records (about 35 minutes on 2 cores).
+# Every benchmark with the command docs/benchmarks.md records (about 40 minutes on 2 cores).
 BENCH_CACHE ?= /tmp/tether-bench-cache
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[dev,bench]"
 	$(BIN)/python bench/grpo_step.py --rounds 2 --threads 1
-	$(BIN)/python bench/engine_throughput.py --threads 1
+	$(BIN)/python bench/engine_throughput.py --threads 2
+	$(BIN)/python bench/engine_throughput.py --threads 2 --dtype bfloat16
 	$(BIN)/python bench/spec_decode.py --cache-dir $(BENCH_CACHE)/spec
 	$(BIN)/python bench/async_rl.py --sft-steps 400 --rl-steps 150 --sft-cache $(BENCH_CACHE) \
 		--variants sync,sync_1t,s1,s1_noboot,s2,s2_cut,s4_ppo_behav,s4 --repeats 3
