@@ -5,7 +5,7 @@ import torch
 
 from tether.algorithms.logprobs import process_logits
 from tether.engine.rng import SampleRNG
-from tether.engine.sampler import Sampler, finish_reason, inverse_cdf
+from tether.engine.sampler import Sampler, _sample_general, finish_reason, inverse_cdf
 from tether.engine.sequence import Sequence
 from tether.engine.types import SamplingParams
 
@@ -69,17 +69,16 @@ def test_a_rows_sample_does_not_depend_on_the_rest_of_the_batch():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_plain_sampling_path_matches_the_general_one(temperature):
-    """Unfiltered rows take a three-pass path; a greedy row in the batch forces the general path."""
+    """Unfiltered rows take a three-pass path; filtered and greedy ones the general path."""
     torch.manual_seed(3)
     logits = torch.randn(6, 1000) * 4
     params = [SamplingParams(temperature=temperature)] * 6
     plain = Sampler().sample(logits, params, generators(*range(6)))
-    mixed = Sampler().sample(torch.cat([logits, logits[:1]]), [*params, SamplingParams(temperature=0.0)],
-                             generators(*range(6), 99))
-    assert plain.token_ids == mixed.token_ids[:6]
+    general = _sample_general(logits.clone(), params, generators(*range(6)))
+    assert plain.token_ids == general.token_ids
     expected = process_logits(logits, temperature).gather(-1, torch.tensor(plain.token_ids)[:, None])
     assert torch.allclose(torch.tensor(plain.logprobs), expected.squeeze(-1), atol=1e-5)
-    assert plain.logprobs == pytest.approx(mixed.logprobs[:6], abs=1e-5)
+    assert plain.logprobs == pytest.approx(general.logprobs, abs=1e-5)
     # In place on logits the caller gives away (the engine's step output): the same samples, the
     # caller's tensor consumed only when allowed.
     given = logits.clone()
@@ -89,6 +88,24 @@ def test_plain_sampling_path_matches_the_general_one(temperature):
     kept = logits.clone()
     Sampler().sample(kept, params, generators(*range(6)))
     assert torch.equal(kept, logits)
+
+
+def test_a_seeded_row_samples_the_same_next_to_greedy_and_filtered_rows():
+    # The two paths round their CDFs differently: for these logits and streams the general path
+    # picks another token than the plain one for row 2. A plain row takes the plain path whatever
+    # shares its step (an eval request with top-k or greedy next to RL samples), so its sample is
+    # its seed's, bit for bit.
+    num_rows = 64
+    logits = torch.randn(num_rows, 32000, generator=torch.Generator().manual_seed(10)) * 3
+    params = [SamplingParams(temperature=0.8)] * num_rows
+    streams = range(10 * num_rows, 11 * num_rows)
+    alone = Sampler().sample(logits.clone(), params, generators(*streams))
+    assert _sample_general(logits.clone(), params, generators(*streams)).token_ids != alone.token_ids
+    for other in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=5),
+                  SamplingParams(temperature=0.5)):
+        mixed = Sampler().sample(torch.cat([logits[:1], logits]), [other, *params], generators(5, *streams))
+        assert mixed.token_ids[1:] == alone.token_ids
+        assert mixed.logprobs[1:] == alone.logprobs
 
 
 def make_seq(prompt: list[int], params: SamplingParams, stop_ids=()) -> Sequence:

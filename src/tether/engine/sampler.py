@@ -66,28 +66,59 @@ class Sampler:
         Every sampling (non-greedy) row draws exactly one uniform from its stream; greedy rows none.
         ``may_overwrite``: the caller no longer needs ``logits`` (the engine's own step output), so
         the plain path may work in place instead of allocating another ``[N, V]`` tensor."""
-        device = logits.device
-        if _is_plain_sampling(params):
+        plain_rows = [i for i, p in enumerate(params) if _is_plain(p)]
+        if len(plain_rows) == len(params) and len({p.temperature for p in params}) == 1:
             return _sample_plain(logits, params[0].temperature, rngs, may_overwrite)
-        logprobs = processed_logprobs(logits, params)  # [N, V] fp32
-        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if len(sampled_rows) == len(params):  # skip the argmax pass: it costs as much as sampling
-            token_ids = _inverse_cdf(logprobs, rngs)
-        else:
-            token_ids = logprobs.argmax(dim=-1)  # [N]; final for greedy rows
-            if sampled_rows:
-                rows = torch.tensor(sampled_rows, device=device)
-                token_ids[rows] = _inverse_cdf(logprobs[rows], [rngs[i] for i in sampled_rows])
-        picked = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [N]
-        return SampleResult(token_ids.tolist(), picked.tolist())  # the step's one host sync
+        if plain_rows:
+            return _sample_by_path(logits, params, rngs, plain_rows)
+        return _sample_general(logits, params, rngs)
 
 
-def _is_plain_sampling(params: list[SamplingParams]) -> bool:
-    """Every row samples (no greedy) at one temperature with no top-k/top-p/min-p: the RL default."""
-    first = params[0]
-    return (not first.is_greedy and first.top_k <= 0 and first.top_p >= 1.0 and first.min_p <= 0.0
-            and all(p.temperature == first.temperature and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
-                    for p in params))
+def _sample_by_path(
+    logits: torch.Tensor, params: list[SamplingParams], rngs: list[SampleRNG], plain_rows: list[int]
+) -> SampleResult:
+    """A step whose rows need different paths: each plain row (``_is_plain``) through ``_sample_plain``
+    with the rows of its temperature, the rest through the general path. A row's path depends on its
+    own settings only, so a seeded row samples the same token whatever shares its step: the two paths
+    round their CDFs differently, and a uniform near a boundary picked another token by path."""
+    token_ids, logprobs = [0] * len(params), [0.0] * len(params)
+    by_path: dict[float | None, list[int]] = {}
+    for i in plain_rows:
+        by_path.setdefault(params[i].temperature, []).append(i)
+    others = sorted(set(range(len(params))) - set(plain_rows))
+    if others:
+        by_path[None] = others
+    for temperature, rows in by_path.items():
+        index = torch.tensor(rows, device=logits.device)
+        rows_params, rows_rngs = [params[i] for i in rows], [rngs[i] for i in rows]
+        if temperature is None:
+            result = _sample_general(logits[index], rows_params, rows_rngs)
+        else:  # logits[index] is a copy: the plain path may work in place
+            result = _sample_plain(logits[index], temperature, rows_rngs, may_overwrite=True)
+        for i, token_id, logprob in zip(rows, result.token_ids, result.logprobs):
+            token_ids[i], logprobs[i] = token_id, logprob
+    return SampleResult(token_ids, logprobs)
+
+
+def _sample_general(logits: torch.Tensor, params: list[SamplingParams], rngs: list[SampleRNG]) -> SampleResult:
+    """Any mix of settings: the full ``process_logits`` distribution, argmax for greedy rows."""
+    device = logits.device
+    logprobs = processed_logprobs(logits, params)  # [N, V] fp32
+    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if len(sampled_rows) == len(params):  # skip the argmax pass: it costs as much as sampling
+        token_ids = _inverse_cdf(logprobs, rngs)
+    else:
+        token_ids = logprobs.argmax(dim=-1)  # [N]; final for greedy rows
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=device)
+            token_ids[rows] = _inverse_cdf(logprobs[rows], [rngs[i] for i in sampled_rows])
+    picked = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [N]
+    return SampleResult(token_ids.tolist(), picked.tolist())  # the path's one host sync
+
+
+def _is_plain(params: SamplingParams) -> bool:
+    """A row that samples (not greedy) with no top-k/top-p/min-p: the RL default."""
+    return not params.is_greedy and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
 
 
 def _sample_plain(logits: torch.Tensor, temperature: float, rngs: list[SampleRNG],
