@@ -55,16 +55,35 @@ def test_greedy_equals_transformers_and_format(model_dir, tmp_path):
 
 @pytest.mark.parametrize(("line", "needle"), [
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "seed": float("nan")}, "p.jsonl:2: field 'seed' must be a finite number"),
+    ({"prompt": "x", "seed": float("nan")}, "p.jsonl:3: field 'seed' must be a finite number"),  # the file's line
     ({"prompt": "x", "max_new_tokens": float("inf")}, "field 'max_new_tokens' must be a finite number"),
+    ({"prompt": "x", "temprature": 0}, "p.jsonl:3: unknown field 'temprature' (did you mean 'temperature'?)"),
 ])
 def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path, line, needle):
-    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ok"}, line])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "ok"}) + "\n\n" + json.dumps(line) + "\n")  # a blank line between
     result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")],
                   tmp_path)
     assert result.returncode == 2
     assert needle in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_lines_without_a_seed_sample_with_their_own(model_dir, tmp_path):
+    # The same prompt on three lines, no seed of their own: different samples (each line's seed is
+    # derived from --seed and its position), the same again on a rerun; a line's own seed is kept.
+    rows = [{"prompt": "ab"}, {"prompt": "ab"}, {"prompt": "ab", "seed": 7}, {"prompt": "ab", "seed": 7}]
+    prompts = _prompts(tmp_path / "p.jsonl", rows)
+    outputs = []
+    for name in ("a.jsonl", "b.jsonl"):
+        result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "16",
+                       "--output", str(tmp_path / name)], tmp_path)
+        assert result.returncode == 0, result.stderr
+        outputs.append([json.loads(x)["token_ids"] for x in (tmp_path / name).read_text().splitlines()])
+    first, second = outputs
+    assert first == second
+    assert first[0] != first[1]
+    assert first[2] == first[3]
 
 
 @pytest.mark.parametrize(("extra", "needle"), [

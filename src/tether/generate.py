@@ -2,12 +2,16 @@
 
 Output: one JSON line per sample with ``prompt_index``, ``sample_index``, ``text``, ``token_ids``,
 ``logprobs``, ``finish_reason`` (plus ``error`` for a request that could not be served). A prompts
-line may override ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``seed``.
+line may override ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed`` and
+``n``. A line without a ``seed`` samples with its own seed derived from ``--seed`` and its position
+(``SamplingParams.for_request``): two lines with the same prompt give different samples, and the
+run repeats exactly.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -25,24 +29,31 @@ from tether.models.checkpoint import load_model, read_model_config
 from tether.models.tokenizer import encode_prompt, load_tokenizer
 
 OVERRIDABLE = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
-               "seed": int}
+               "seed": int, "n": int}
 
 
 def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> SamplingParams:
-    """The CLI's sampling settings, overridden by the prompt line's own fields."""
+    """The CLI's sampling settings, overridden by the prompt line's own fields; a line without a
+    seed of its own gets one derived from the base seed and its position."""
+    where = record.where or f"{where}:{record.index + 1}"
     values = dict(base)
+    for key in record.fields:  # other fields are the user's own (an answer, an id): kept, unused
+        close = difflib.get_close_matches(key, OVERRIDABLE, n=1, cutoff=0.8)
+        if key not in OVERRIDABLE and close:
+            raise DataError(f"{where}: unknown field '{key}' (did you mean '{close[0]}'?)")
     for key, kind in OVERRIDABLE.items():
         if key in record.fields:
             value = record.fields[key]
             if isinstance(value, float) and not math.isfinite(value):
-                raise DataError(f"{where}:{record.index + 1}: field '{key}' must be a finite number, got {value!r}")
+                raise DataError(f"{where}: field '{key}' must be a finite number, got {value!r}")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-                raise DataError(f"{where}:{record.index + 1}: field '{key}' must be {kind.__name__}, got {value!r}")
+                raise DataError(f"{where}: field '{key}' must be {kind.__name__}, got {value!r}")
             values[key] = kind(value)
     try:
-        return SamplingParams(**values)
+        params = SamplingParams(**values)
     except ValueError as exc:
-        raise DataError(f"{where}:{record.index + 1}: {exc}") from None
+        raise DataError(f"{where}: {exc}") from None
+    return params if "seed" in record.fields else params.for_request(record.index)
 
 
 def build_engine(args: argparse.Namespace, tokenizer: Any) -> LLMEngine:

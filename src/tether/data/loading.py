@@ -90,7 +90,7 @@ def _require(row: dict[str, Any], name: str, where: str, hint: str = "") -> Any:
 def _prompt_from_row(row: dict[str, Any], where: str, index: int) -> PromptRecord:
     prompt = check_text(_require(row, "prompt", where), where, "prompt")
     fields = {k: v for k, v in row.items() if k != "prompt"}
-    return PromptRecord(prompt=prompt, fields=fields, index=index)
+    return PromptRecord(prompt=prompt, fields=fields, index=index, where=where)
 
 
 def _sft_from_row(row: dict[str, Any], where: str, index: int) -> SFTRecord:

@@ -30,6 +30,7 @@ class PromptRecord:
     prompt: Text
     fields: dict[str, Any] = field(default_factory=dict)  # every extra column, e.g. ``answer``
     index: int = 0  # position in the loaded dataset (0-based)
+    where: str = field(default="", compare=False)  # where the row was read ("file.jsonl:4"), for errors
 
     @property
     def is_chat(self) -> bool:
