@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -238,9 +240,37 @@ def test_bad_requests_fail_alone(qwen2_path):
     assert [c.finish_reason for c in odd] == ["error", "error", "length"]
     assert "position 1 is None" in odd[0].error and "position 1 is 6.9" in odd[1].error
     assert odd[2].token_ids == completions[4].token_ids and not engine.has_unfinished()
+    # no sequence at all: an error completion for that prompt, not a TypeError for the whole batch
+    shapeless = engine.generate([[5, 6, 7], None, 7], SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert [c.finish_reason for c in shapeless] == ["length", "error", "error"]
+    assert "the prompt is NoneType, not a sequence of token ids" in shapeless[1].error
     small = make_engine(qwen2_path, num_kv_blocks=2, block_size=4)
     too_big = small.generate([[5, 6, 7], [5]], SamplingParams(temperature=0.0, max_new_tokens=20))
     assert too_big[0].finish_reason == "error" and "KV blocks" in too_big[0].error
+
+
+def test_a_numpy_integer_seed_samples_as_its_int(qwen2_path):
+    import numpy as np
+
+    engine = make_engine(qwen2_path)
+    as_int, as_numpy = engine.generate([[5, 6, 7]] * 2, [SamplingParams(max_new_tokens=6, seed=seed)
+                                                          for seed in (2**62 + 5, np.int64(2**62 + 5))])
+    assert as_numpy.token_ids == as_int.token_ids and as_numpy.finish_reason == "length"
+    assert type(SamplingParams(seed=np.int64(3)).seed) is int
+    with pytest.raises(ValueError, match="seed must be an integer or None, got 1.5"):
+        SamplingParams(seed=1.5)
+
+
+def test_a_request_whose_kv_fills_the_pool_exactly_is_served(qwen2_path):
+    # 12 prompt tokens + 5 new: the last new token is sampled, never run, so the KV of 16 tokens
+    # fills 4 blocks of 4 exactly; one more new token would not fit.
+    prompt, params = list(range(5, 17)), SamplingParams(temperature=0.0, max_new_tokens=5)
+    expected = make_engine(qwen2_path).generate([prompt], params)[0]
+    exact = make_engine(qwen2_path, num_kv_blocks=4, block_size=4)
+    served = exact.generate([prompt, prompt], [params, dataclasses.replace(params, max_new_tokens=6)])
+    assert served[0].finish_reason == "length" and served[0].token_ids == expected.token_ids
+    assert served[1].finish_reason == "error" and "needs 5 KV blocks, the pool has 4" in served[1].error
+    assert exact.block_manager.num_free_blocks == 4
 
 
 def test_bad_config_is_a_config_error(qwen2_path):

@@ -310,7 +310,14 @@ class LLMEngine:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise RequestError(f"generate got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        prompt_index = {self.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params_list))}
+        prompt_index: dict[int, int] = {}
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
+                prompt_index[self.add_request(prompt, sp)] = i
+        except BaseException:  # none of this call's requests stays behind to fill later steps
+            self.abort(prompt_index)
+            self._done = [c for c in self._done if c.request_id not in prompt_index]
+            raise
         results: list[list[Completion]] = [[] for _ in prompts]
         num_left = sum(sp.n for sp in params_list)
         others: list[Completion] = []
@@ -383,11 +390,12 @@ class LLMEngine:
             return "stop_strings need a tokenizer: pass tokenizer= to LLMEngine"
         if any(not s for s in params.stop_strings):
             return "stop_strings contains an empty string"
-        num_tokens = min(len(prompt) + params.max_new_tokens, self.max_model_len)
-        num_blocks = -(-num_tokens // self.config.block_size)
+        # The last token is sampled, never run through the model: it needs no KV.
+        num_kv_tokens = min(len(prompt) + params.max_new_tokens, self.max_model_len) - 1
+        num_blocks = -(-num_kv_tokens // self.config.block_size)
         if num_blocks > self.block_manager.num_blocks:
             return (
-                f"up to {num_tokens} tokens need {num_blocks} KV blocks, "
+                f"the KV of up to {num_kv_tokens} tokens needs {num_blocks} KV blocks, "
                 f"the pool has {self.block_manager.num_blocks}"
             )
         return None
@@ -401,6 +409,8 @@ class LLMEngine:
 def _token_ids(prompt_ids: SequenceLike[int]) -> tuple[list[int], str | None]:
     """The prompt as a list of ints, or why it is not one (a float or None among the ids: no
     silent truncation of 6.9 to 6)."""
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+        return [], f"the prompt is {type(prompt_ids).__name__}, not a sequence of token ids"
     prompt = []
     for position, token in enumerate(prompt_ids):
         try:

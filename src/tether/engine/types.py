@@ -13,6 +13,7 @@ decoding (temperature 0) reports the log-prob under the unprocessed softmax (tem
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
@@ -55,6 +56,11 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None:  # a numpy integer is kept as a Python int (its arithmetic overflows)
+            try:
+                object.__setattr__(self, "seed", operator.index(self.seed))
+            except TypeError:
+                raise ValueError(f"seed must be an integer or None, got {self.seed!r}") from None
 
     @property
     def is_greedy(self) -> bool:
