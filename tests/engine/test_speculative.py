@@ -10,7 +10,7 @@ from helpers.hf_tiny import make_hf_checkpoint
 from helpers.reference import assert_same_completions, full_forward_logprobs
 from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
 from tether.engine.rng import SampleRNG
-from tether.engine.speculative import NgramProposer, accept_drafts, accept_greedy, ngram_lookup
+from tether.engine.speculative import NgramProposer, accept_coupled, accept_drafts, accept_greedy, ngram_lookup
 from tether.errors import ConfigError
 from tether.models import load_model
 
@@ -147,20 +147,15 @@ def test_accepted_tokens_follow_the_target_distribution(is_point_mass):
     q = torch.softmax(torch.randn(k, vocab_size, generator=gen) * 1.5, dim=-1)  # [K, V]
     p[0, 3] = 0.0  # a token the target never emits (top-k filtered), even if drafted
     p = p / p.sum(-1, keepdim=True)
-    if is_point_mass:  # prompt lookup: always the same draft tokens
+    logprobs, num_drafts = p.log().expand(num_samples, k + 1, vocab_size), torch.full((num_samples,), k)
+    is_greedy, uniforms = torch.zeros(num_samples, dtype=torch.bool), torch.rand(num_samples, k + 1, generator=gen)
+    if is_point_mass:  # prompt lookup: always the same draft tokens, the coupled test
         draft_ids = torch.tensor([[2, 5]]).expand(num_samples, k)
-        draft_probs = None
+        verdict = accept_coupled(logprobs, draft_ids, num_drafts, is_greedy, uniforms)
     else:  # each row drafts its own tokens from q
         draft_ids = torch.stack([torch.multinomial(q[i], num_samples, True, generator=gen) for i in range(k)], 1)
-        draft_probs = q.expand(num_samples, k, vocab_size)
-    verdict = accept_drafts(
-        p.log().expand(num_samples, k + 1, vocab_size),
-        draft_ids,
-        torch.full((num_samples,), k),
-        draft_probs,
-        torch.zeros(num_samples, dtype=torch.bool),
-        torch.rand(num_samples, k + 1, generator=gen),
-    )
+        verdict = accept_drafts(logprobs, draft_ids, num_drafts, q.expand(num_samples, k, vocab_size), is_greedy,
+                                uniforms)
     first = verdict.token_ids[:, 0]
     assert_distributed_as(first, p[0])
     # The second token, given the first was the accepted draft d_1, follows p_1 (the target at
@@ -177,9 +172,8 @@ def test_greedy_acceptance_is_argmax_match():
     logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 5.0]]] * 3)  # [3, K + 1 = 3, V]
     logprobs = torch.log_softmax(logits, dim=-1)
     draft_ids = torch.tensor([[1, 0], [1, 2], [2, 0]])  # all right; second wrong; first wrong
-    verdict = accept_drafts(
-        logprobs, draft_ids, torch.tensor([2, 2, 2]), None, torch.ones(3, dtype=torch.bool), torch.rand(3, 3)
-    )
+    verdict = accept_coupled(logprobs, draft_ids, torch.tensor([2, 2, 2]), torch.ones(3, dtype=torch.bool),
+                             torch.rand(3, 3))
     assert verdict.num_accepted.tolist() == [2, 1, 0]
     assert [row[: n + 1] for row, n in zip(verdict.token_ids.tolist(), verdict.num_accepted.tolist())] == [
         [1, 0, 2],  # bonus token argmax p_2
@@ -313,3 +307,19 @@ def test_same_seed_same_sample_in_any_batch(paths, plain_greedy):
     batch = spec_engine(paths, "ngram").generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [greedy, params, greedy])
     assert batch[1].token_ids == alone.token_ids
     assert batch[0].token_ids == plain_greedy[4].token_ids[:9] and batch[2].token_ids == plain_greedy[2].token_ids[:9]
+
+
+def test_prompt_lookup_samples_what_plain_decoding_samples_whatever_the_drafts(paths):
+    # The coupled test draws each emitted token as a plain step would, one uniform per token: the same
+    # seeded samples with prompt lookup as without, and with drafts cut short by a small step budget
+    # next to another group (with the rejection test, every draft count shifted the random stream).
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=99)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    plain = make_engine(paths["target"]).generate(prompts, params)
+    roomy = spec_engine(paths, "ngram")
+    assert [c.token_ids for c in roomy.generate(prompts, params)] == [c.token_ids for c in plain]
+    other = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5, n=3)
+    tight = spec_engine(paths, "ngram", max_num_batched_tokens=6)
+    crowded = tight.generate([PROMPTS[1], *prompts], [other, params, params])[other.n:]
+    assert [c.token_ids for c in crowded] == [c.token_ids for c in plain]
+    assert roomy.stats.num_draft_tokens > 0 and tight.stats.num_draft_tokens != roomy.stats.num_draft_tokens

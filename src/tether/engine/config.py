@@ -39,7 +39,8 @@ class EngineConfig:
     # path computes the same products in another order (fp32: ~1e-6 relative; bf16: the same bits
     # but for rare single roundings).
     cpu_pack_linears: str = "auto"
-    # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged):
+    # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged, and
+    # with prompt lookup a seeded request's samples too):
     # "ngram" proposes by prompt lookup, "draft" by a small model passed as LLMEngine(draft_model=...).
     speculative: str | None = None
     num_speculative_tokens: int = 4  # draft tokens verified per decode step (k)

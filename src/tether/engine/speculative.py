@@ -11,8 +11,14 @@ position, and keeps the longest prefix of drafts that passes the test of Leviath
 * when all ``n`` pass, emit a bonus token drawn from ``p_n``.
 
 Every emitted token is then distributed exactly as a plain draw from ``p`` (the residual makes up
-the mass the test rejects). Prompt lookup (``NgramProposer``) is a point-mass ``q``: accept with
-probability ``p_i(d_i)``, residual ``p_i`` without ``d_i``. Greedy rows accept ``d_i`` iff it is
+the mass the test rejects). Prompt lookup (``NgramProposer``) is a point-mass ``q``, and for it
+the test is coupled to plain sampling instead: position ``i`` draws ``x_i`` from ``p_i`` by the
+inverse CDF with the sequence's next uniform, exactly as a plain step would, and the draft stays
+accepted while ``x_i == d_i`` (probability ``p_i(d_i)``, as in the test above); the first ``x_i``
+that differs is emitted and ends the step. Every emitted token is then a plain draw from ``p`` with
+its own uniform, one draw per token: a seeded request samples the same tokens whether or how many
+drafts it got (the step's budget and the free blocks decide that, so with the rejection test a
+neighbour in the batch shifted its random stream). Greedy rows accept ``d_i`` iff it is
 ``argmax p_i`` and emit ``argmax`` at the stop, so greedy output equals plain greedy decoding.
 
 ``p`` is ``process_logits`` of the request's sampling settings (the trainer's definition), so the
@@ -184,13 +190,18 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -
     num_drafts = torch.tensor([p.num_tokens for p in drafts], device=device)
     if all(seq.params.is_greedy for seq in seqs):  # the common eval case: no draws, no residuals
         return accept_greedy(logprobs, draft_ids, num_drafts)
+    is_greedy = torch.tensor([seq.params.is_greedy for seq in seqs], device=device)
+    draft_probs = _stack_draft_probs(drafts, k)
+    if draft_probs is None:  # point masses (prompt lookup): the coupled test, one draw per token
+        uniforms = draw_at([seq.rng for seq in seqs], np.tile(np.arange(k + 1, dtype=np.uint64), (len(seqs), 1)),
+                           [0] * len(seqs))
+        verdict = accept_coupled(logprobs, draft_ids, num_drafts, is_greedy, uniforms.to(device))
+        for seq, num_accepted in zip(seqs, verdict.num_accepted.tolist()):
+            if not seq.params.is_greedy:
+                seq.rng.num_draws += num_accepted + 1  # the draws of the tokens emitted, as plain steps
+        return verdict
     return accept_drafts(
-        logprobs,
-        draft_ids,
-        num_drafts,
-        _stack_draft_probs(drafts, k),
-        torch.tensor([seq.params.is_greedy for seq in seqs], device=device),
-        _draw_verify_uniforms(seqs, drafts, k).to(device),
+        logprobs, draft_ids, num_drafts, draft_probs, is_greedy, _draw_verify_uniforms(seqs, drafts, k).to(device)
     )
 
 
@@ -226,11 +237,40 @@ def accept_greedy(logprobs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
     return Verdict(best, logprobs.gather(-1, best[..., None]).squeeze(-1), num_accepted)
 
 
+def accept_coupled(
+    logprobs: torch.Tensor,
+    draft_ids: torch.Tensor,
+    num_drafts: torch.Tensor,
+    is_greedy: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> Verdict:
+    """The test for point-mass drafts, coupled to plain sampling (module docstring).
+
+    logprobs ``[S, K + 1, V]``, draft_ids ``[S, K]``, num_drafts ``[S]``, is_greedy ``[S]`` as in
+    ``accept_drafts``; uniforms ``[S, K + 1]``: column i is the uniform of the step's i-th token.
+    """
+    num_rows, num_positions, vocab_size = logprobs.shape
+    k = num_positions - 1
+    rows = torch.arange(num_rows, device=logprobs.device)
+    probs = logprobs.exp().view(-1, vocab_size)  # [S * (K + 1), V]
+    sampled = inverse_cdf(probs, uniforms.reshape(-1)).view(num_rows, num_positions)  # [S, K + 1]
+    best = logprobs.argmax(dim=-1)  # [S, K + 1]
+    token_ids = torch.where(is_greedy[:, None], best, sampled)  # what a plain step emits at each position
+    is_accepted = token_ids[:, :k] == draft_ids
+    is_accepted &= torch.arange(k, device=logprobs.device)[None, :] < num_drafts[:, None]
+    num_accepted = is_accepted.long().cumprod(dim=-1).sum(dim=-1)  # [S]
+    final = token_ids[rows, num_accepted]
+    token_ids = torch.cat([draft_ids, draft_ids.new_zeros(num_rows, 1)], dim=1)  # [S, K + 1]
+    token_ids[rows, num_accepted] = final
+    token_logprobs = logprobs.gather(-1, token_ids[..., None]).squeeze(-1)  # [S, K + 1]
+    return Verdict(token_ids, token_logprobs, num_accepted)
+
+
 def accept_drafts(
     logprobs: torch.Tensor,
     draft_ids: torch.Tensor,
     num_drafts: torch.Tensor,
-    draft_probs: torch.Tensor | None,
+    draft_probs: torch.Tensor,
     is_greedy: torch.Tensor,
     uniforms: torch.Tensor,
 ) -> Verdict:
@@ -238,15 +278,15 @@ def accept_drafts(
 
     logprobs ``[S, K + 1, V]`` target log-probs (process_logits) at each draft position and after
     the last; draft_ids ``[S, K]`` (padding: any id); num_drafts ``[S]`` >= 0; draft_probs
-    ``[S, K, V]`` q, or None for point masses; is_greedy ``[S]`` bool; uniforms ``[S, K + 1]`` in
-    [0, 1): one per acceptance test, the last for the residual/bonus draw.
+    ``[S, K, V]`` q (point masses take ``accept_coupled``); is_greedy ``[S]`` bool; uniforms
+    ``[S, K + 1]`` in [0, 1): one per acceptance test, the last for the residual/bonus draw.
     """
     num_rows, num_positions, _ = logprobs.shape
     k = num_positions - 1
     rows = torch.arange(num_rows, device=logprobs.device)
     probs = logprobs.exp()  # [S, K + 1, V]
     p_draft = probs[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)  # [S, K]
-    q_draft = 1.0 if draft_probs is None else draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)
+    q_draft = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)
     # u < p / q, written without the division: accepted with probability min(1, p / q).
     is_accepted = uniforms[:, :k] * q_draft < p_draft  # [S, K]
     is_greedy_hit = logprobs[:, :k].argmax(dim=-1) == draft_ids  # [S, K]
@@ -268,7 +308,7 @@ def _stop_distribution(
     draft_ids: torch.Tensor,
     num_accepted: torch.Tensor,
     num_drafts: torch.Tensor,
-    draft_probs: torch.Tensor | None,
+    draft_probs: torch.Tensor,
 ) -> torch.Tensor:
     """[S, V] what the stop token is drawn from: the residual max(0, p - q) after a rejection,
     p itself after all drafts passed (unnormalised: ``inverse_cdf`` scales by the row total)."""
@@ -277,12 +317,7 @@ def _stop_distribution(
         return p_stop
     rows = torch.arange(num_rows, device=p_stop.device)
     rejected_at = num_accepted.clamp(max=k - 1)  # [S]
-    if draft_probs is None:
-        # Point mass at the rejected draft: max(0, p - q) is p with that token removed.
-        rejected_id = draft_ids[rows, rejected_at]
-        residual = p_stop.scatter(-1, rejected_id[:, None], 0.0)
-    else:
-        residual = (p_stop - draft_probs[rows, rejected_at]).clamp(min=0.0)
+    residual = (p_stop - draft_probs[rows, rejected_at]).clamp(min=0.0)
     # A rejection implies p(d) < q(d), so the residual has mass; rounding can still empty it.
     is_residual = (num_accepted < num_drafts) & (residual.sum(dim=-1) > 0)  # [S]
     return torch.where(is_residual[:, None], residual, p_stop)
