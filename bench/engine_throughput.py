@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from common import machine_info, measure_matmul_gflops, set_threads  # noqa: E402
 from helpers.hf_tiny import make_hf_model  # noqa: E402
+from tether.builders import DTYPES  # noqa: E402
 from tether.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from tether.models.checkpoint import load_model  # noqa: E402
 
@@ -89,7 +90,7 @@ class BenchSettings:
         return measure_matmul_gflops(dtype=self.torch_dtype)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BENCH_DTYPES = ("float32", "bfloat16")  # of tether.builders.DTYPES
 
 
 QUICK = dict(num_prompts=2, num_samples=2, min_prompt_tokens=8, max_prompt_tokens=16, min_budget=4,
@@ -403,7 +404,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSettings:
     p.add_argument("--quick", action="store_true", help="a tiny model and workload: a smoke test")
     p.add_argument("--skip-hf-paged", action="store_true", help="leave out transformers' continuous batching")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype,
+    p.add_argument("--dtype", choices=BENCH_DTYPES, default=d.dtype,
                    help="the model's dtype on every side (the matmul yardstick's too)")
     a = p.parse_args(argv)
     s = BenchSettings(**QUICK) if a.quick else d

@@ -251,17 +251,15 @@ def accept_coupled(
     """
     num_rows, num_positions, vocab_size = logprobs.shape
     k = num_positions - 1
-    rows = torch.arange(num_rows, device=logprobs.device)
     probs = logprobs.exp().view(-1, vocab_size)  # [S * (K + 1), V]
-    sampled = inverse_cdf(probs, uniforms.reshape(-1)).view(num_rows, num_positions)  # [S, K + 1]
-    best = logprobs.argmax(dim=-1)  # [S, K + 1]
-    token_ids = torch.where(is_greedy[:, None], best, sampled)  # what a plain step emits at each position
+    # What a plain step emits at each position: accepted drafts equal it, and the first position
+    # that differs is the step's last token, so these are the verdict's tokens as they stand.
+    token_ids = inverse_cdf(probs, uniforms.reshape(-1)).view(num_rows, num_positions)  # [S, K + 1]
+    if bool(is_greedy.any()):
+        token_ids = torch.where(is_greedy[:, None], logprobs.argmax(dim=-1), token_ids)
     is_accepted = token_ids[:, :k] == draft_ids
     is_accepted &= torch.arange(k, device=logprobs.device)[None, :] < num_drafts[:, None]
     num_accepted = is_accepted.long().cumprod(dim=-1).sum(dim=-1)  # [S]
-    final = token_ids[rows, num_accepted]
-    token_ids = torch.cat([draft_ids, draft_ids.new_zeros(num_rows, 1)], dim=1)  # [S, K + 1]
-    token_ids[rows, num_accepted] = final
     token_logprobs = logprobs.gather(-1, token_ids[..., None]).squeeze(-1)  # [S, K + 1]
     return Verdict(token_ids, token_logprobs, num_accepted)
 
