@@ -40,3 +40,28 @@ def test_memory_stays_within_the_cap_when_the_batch_narrows_and_lengthens(keys_t
         assert decode_kv.assign(spans, pool, BLOCK_SIZE) == list(range(num_rows))
         assert decode_kv.num_slots * decode_kv.capacity <= cap, (num_rows, length, decode_kv.v.shape)
         assert len(decode_kv.tables) == len(decode_kv.lengths) == decode_kv.num_slots
+
+
+@pytest.mark.parametrize("keys_transposed", KEY_LAYOUTS)
+def test_shapes_at_the_cap_share_one_storage_whatever_their_rounding(keys_transposed):
+    """Shapes at the cap hold ``rows x (max_tokens // rows)`` tokens, a little under the cap by
+    rounding: 3 x 33 = 99 and then 4 x 25 = 100 must re-view one storage (a rollout whose batch then
+    widens again reallocated 150 MB on every run of the engine benchmark, 68 x 726 then 128 x 386)."""
+    pool = KVCache.allocate(1, 64, BLOCK_SIZE, 2, 8, torch.float32, torch.device("cpu"))
+    pool.k.copy_(torch.randn(pool.k.shape))
+    pool.v.copy_(torch.randn(pool.v.shape))
+    decode_kv = DecodeKV(pool, 100, keys_transposed)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(8)]
+    pointers = []
+    for num_rows, start in [(8, 7), (3, 30), (4, 20)]:
+        spans = [SeqSpan(start, 1, tables[i]) for i in range(num_rows)]
+        assert decode_kv.assign(spans, pool, BLOCK_SIZE) == list(range(num_rows))
+        assert decode_kv.num_slots * decode_kv.capacity <= 100
+        pointers.append(decode_kv.v.data_ptr())
+        for slot, span in enumerate(spans):  # every row holds its context in the new shape
+            held = decode_kv.v[0, slot, :, :start]
+            expected = pool.v[0, span.block_table].reshape(-1, 2, 8)[:start].transpose(0, 1)
+            assert torch.equal(held, expected)
+    assert (decode_kv.num_slots, decode_kv.capacity) == (4, 25)
+    assert pointers[1] == pointers[2]  # (3, 33) -> (4, 25): the same storage, re-viewed
+    assert decode_kv._storage["v"].numel() == 100 * 2 * 8  # the cap, never more
