@@ -12,7 +12,8 @@ too), CPU, multinomial sampling at temperature 1.0, top_p 1.0, no top-k on every
 
 Systems, each timed ``repeats`` times (best kept: other processes only ever slow a run down):
 
-* tether ``LLMEngine.generate``: continuous batching over a paged KV pool;
+* tether ``LLMEngine.generate``: continuous batching over a paged KV pool (fp32 decode attention by
+  its compiled CPU kernel where it builds: the run prints which);
 * transformers ``model.generate`` (sdpa): one static batch of all rows, left-padded, running to the
   longest budget; tokens past a row's budget are computed but not useful;
 * transformers continuous batching (``attn_implementation="paged|sdpa"``, the machinery behind
@@ -140,7 +141,7 @@ def num_prefill_steps(num_rows: int, s: BenchSettings) -> int:
     return -(-num_rows * s.max_prompt_tokens // STEP_TOKENS)
 
 
-def tether_engine(model: torch.nn.Module, s: BenchSettings) -> LLMEngine:
+def tether_engine(model: torch.nn.Module, s: BenchSettings, native_attention: bool = True) -> LLMEngine:
     max_len = s.max_prompt_tokens + s.max_budget
     block_size = 16
     num_blocks = s.num_rows * -(-max_len // block_size) + s.num_prompts  # every row at full length
@@ -148,7 +149,8 @@ def tether_engine(model: torch.nn.Module, s: BenchSettings) -> LLMEngine:
     decode_len = s.max_prompt_tokens + s.decode_steps + num_prefill_steps(num_decode_rows, s) + 2
     num_blocks = max(num_blocks, num_decode_rows * -(-decode_len // block_size))
     config = EngineConfig(block_size=block_size, max_num_seqs=max(s.num_rows, num_decode_rows),
-                          max_num_batched_tokens=STEP_TOKENS, num_kv_blocks=num_blocks, max_model_len=max_len + 1)
+                          max_num_batched_tokens=STEP_TOKENS, num_kv_blocks=num_blocks, max_model_len=max_len + 1,
+                          cpu_native_attention=native_attention)
     return LLMEngine(model, config=config)
 
 
@@ -317,10 +319,20 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
             gflops: float) -> None:
     out = Printer()
     engine = tether_engine(tether, s)
+    kernel = "compiled kernel (tether.engine.native)" if engine.runner.decode_kernel else "PyTorch ops"
+    out.append(f"tether decode attention: {kernel}")
     run_tether(engine, w.with_budget(s.min_budget), s)  # warm-up: allocator, thread pool
     t_s, t_tokens = best_time(lambda: run_tether(engine, w, s), s.repeats)
     assert t_tokens == w.num_useful_tokens, (t_tokens, w.num_useful_tokens)
     out.append(line("tether LLMEngine (mixed budgets)", t_s, t_tokens))
+    if engine.runner.decode_kernel is not None:  # the kernel's share of the rate: the PyTorch path
+        plain = tether_engine(tether, s, native_attention=False)
+        run_tether(plain, w.with_budget(s.min_budget), s)
+        p_s, p_tokens = best_time(lambda: run_tether(plain, w, s), s.repeats)
+        del plain
+        out.append(line("tether, decode attention by PyTorch ops", p_s, p_tokens))
+        ratio = (t_tokens / t_s) / (p_tokens / p_s)
+        out.append(f"ratio compiled / PyTorch decode attention (mixed budgets): {ratio:.2f}")
     run_hf_generate(hf, w.with_budget(s.min_budget), s)  # the same warm-up
     g_s, g_tokens = best_time(lambda: run_hf_generate(hf, w, s), s.repeats)
     out.append(line("transformers generate (mixed budgets)", g_s, g_tokens))

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from tether.engine import native
 from tether.engine.attention import PagedAttention, SeqSpan, _split_by_length, build_step_metadata
 from tether.engine.kv_cache import KVCache
 
@@ -22,8 +23,9 @@ def reference(q, k, v, start, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("is_native", [False, True])  # decode rows through the compiled kernel
 @pytest.mark.parametrize("window", [None, 3])
-def test_mixed_prefill_and_decode_step_matches_reference(window):
+def test_mixed_prefill_and_decode_step_matches_reference(window, is_native):
     torch.manual_seed(0)
     # (cached tokens, new tokens): decodes with short and long contexts, fresh and continued prefills
     layout = [
@@ -62,7 +64,8 @@ def test_mixed_prefill_and_decode_step_matches_reference(window):
     q = torch.randn(1, num_tokens, NUM_Q_HEADS, HEAD_DIM)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, layout)])[None]
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, layout)])[None]
-    attn = PagedAttention(cache, meta, sliding_window_layers=(0,) if window else ())
+    kernel = native.decode_attention_kernel() if is_native else None
+    attn = PagedAttention(cache, meta, sliding_window_layers=(0,) if window else (), decode_kernel=kernel)
     out = attn.attend(0, q, new_k, new_v)[0]
     offset = 0
     for (cached, num_new), k, v in zip(layout, full_k, full_v):

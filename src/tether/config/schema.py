@@ -202,6 +202,10 @@ class EngineSection(Section):
         "copies: `auto` for every bf16 one where oneDNN has native bf16, and fp32 ones 256 or more wide "
         "on CPUs where MKL runs its generic kernels (non-Intel x86), `always`, or `never` (costs the "
         "layers' size in memory once more when on).")
+    cpu_native_attention: bool = Field(True, description="CPU, fp32: decode attention through a C++ kernel "
+                                       "compiled for this machine on first use (~25 s once, cached; "
+                                       "needs a C++ compiler and ninja, else PyTorch ops serve, with a "
+                                       "warning).")
 
 
 class TrainerSection(Section):

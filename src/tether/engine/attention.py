@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tether.engine.kv_cache import DecodeKV, KVCache, SlotWrites
+from tether.engine.native import DecodeAttention
 
 # Padding-aware grouping: split a group of rows only if it has this many rows and the split leaves
 # at most this fraction of the padded area (each extra group costs one more SDPA call per layer).
@@ -46,6 +47,9 @@ class AttentionGroup:
     window_mask: torch.Tensor | None  # the same with the sliding window applied, if the model has one
     out_index: torch.Tensor  # [M] step positions of the real queries
     out_select: torch.Tensor | None  # [M] their rows in the flattened [S * Tq] output; None: no padding
+    # Decode groups: each row's context length [S] (its keys), and the model's sliding window.
+    context_lens: torch.Tensor | None = None
+    window: int | None = None
     # Decode rows served by ``DecodeKV`` (row i in its slot i): each row's new-token position [S].
     decode_kv_positions: torch.Tensor | None = None
 
@@ -190,6 +194,8 @@ def _build_group(
         window_mask=window_mask,
         out_index=query_index[is_real],
         out_select=is_real.view(-1).nonzero().view(-1) if is_padded else None,
+        context_lens=start + num_new if q_len == 1 else None,
+        window=window,
     )
 
 
@@ -207,6 +213,8 @@ class PagedAttention:
     meta: StepMetadata
     sliding_window_layers: tuple[int, ...] = ()  # layers that use the group's window_mask
     decode_kv: DecodeKV | None = None  # holds the decode group's KV when it has ``decode_kv_positions``
+    # fp32 CPU decode rows attend through this compiled kernel when given (``tether.engine.native``)
+    decode_kernel: DecodeAttention | None = None
     _slot_writes: SlotWrites | None = field(default=None, init=False)  # the first layer's, for all
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -224,18 +232,29 @@ class PagedAttention:
             if group.decode_kv_positions is not None and self.decode_kv is not None:
                 keys_t, values = self._append_decode_kv(layer_idx, k[0], v[0], group)
                 is_matmul = keys_t.dtype == torch.float32  # either key layout (DecodeKV picked the faster)
-                rows = _attend_decode(q, keys_t, values, group, mask, is_matmul)
+                rows = self._attend_decode(q, keys_t, values, group, mask, is_windowed, is_matmul)
             else:
                 keys = _gather(k_pool, group)  # [S, Hkv, Lk, D]
                 values = _gather(v_pool, group)
                 if group.is_decode:
                     is_short_on_cpu = keys.device.type == "cpu" and keys.shape[2] <= _MAX_KEYS_MATMUL_DECODE
                     is_matmul = keys.dtype == torch.float32 and is_short_on_cpu
-                    rows = _attend_decode(q, keys.transpose(-1, -2), values, group, mask, is_matmul)
+                    rows = self._attend_decode(q, keys.transpose(-1, -2), values, group, mask, is_windowed, is_matmul)
                 else:
                     rows = _attend_prefill(q, keys, values, group, mask)
             out[group.out_index] = rows if group.out_select is None else rows[group.out_select]
         return out.unsqueeze(0)
+
+    def _attend_decode(
+        self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, group: AttentionGroup,
+        mask: torch.Tensor, is_windowed: bool, is_matmul: bool,
+    ) -> torch.Tensor:
+        """``_attend_decode``, through the compiled kernel for fp32 rows on CPU when there is one."""
+        kernel = self.decode_kernel
+        if kernel is not None and keys_t.dtype == torch.float32 and keys_t.device.type == "cpu":
+            window = group.window if is_windowed and group.window is not None else 0
+            return _attend_decode_native(kernel, q, keys_t, values, group, window)
+        return _attend_decode(q, keys_t, values, group, mask, is_matmul)
 
     def _append_decode_kv(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup
@@ -286,6 +305,19 @@ def _attend_decode(
         keys = keys_t.transpose(-1, -2)  # [S, Hkv, Lk, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [S, Hkv, G, D]
     return out.reshape(num_rows, -1, head_dim)  # [S, Hq, D]
+
+
+def _attend_decode_native(
+    kernel: DecodeAttention, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, group: AttentionGroup,
+    window: int,
+) -> torch.Tensor:
+    """``_attend_decode`` by the compiled kernel: the same inputs, the rows' context lengths (and
+    the sliding window) instead of the mask, which only encodes them."""
+    assert group.context_lens is not None
+    num_rows, num_kv_heads, head_dim, _ = keys_t.shape
+    queries = q[group.query_index.view(-1)].view(num_rows, num_kv_heads, -1, head_dim)  # [S, Hkv, G, D]
+    out = kernel(queries, keys_t.transpose(-1, -2), values, group.context_lens, head_dim**-0.5, window)
+    return out.view(num_rows, -1, head_dim)  # [S, Hq, D]
 
 
 def _attend_prefill(

@@ -22,7 +22,8 @@ multiply itself at small row counts. Which linears get a copy (``pack_linears``)
   (938 against 226 us; 8.6 against 7.7 ms at 128 rows; AMD EPYC Zen 4, 2 threads), and 1.2-2.4x
   for the layers and the head at 1-8 rows on an Intel Xeon with AMX (equal for the head at 128).
 
-The same CPU split chooses ``DecodeKV``'s key layout (``choose_decode_layout``).
+The same CPU split chooses ``DecodeKV``'s key layout (``choose_decode_layout``) where the compiled
+decode attention (``tether.engine.native``) is off or cannot be built.
 
 A reordered copy costs its weight's size in memory once more, and reordering again after a weight
 change ~1.5 ms per MB (once per ``update_weights``, which always reorders). Other changes are found

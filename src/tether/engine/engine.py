@@ -95,7 +95,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.runner = ModelRunner(
-            model, num_blocks, config.block_size, config.cpu_pack_lm_head, config.cpu_pack_linears
+            model, num_blocks, config.block_size, config.cpu_pack_lm_head, config.cpu_pack_linears,
+            config.cpu_native_attention,
         )
         self.proposer = build_proposer(config, model, draft_model, num_blocks, self.max_model_len)
         self.sampler = Sampler()

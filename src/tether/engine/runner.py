@@ -17,6 +17,7 @@ import torch
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
 from tether.engine.cpu_kernels import PackedWeights, pack_linears
 from tether.engine.kv_cache import DecodeKV, KVCache
+from tether.engine.native import decode_attention_kernel
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
 
@@ -74,6 +75,7 @@ class ModelRunner:
         block_size: int,
         is_lm_head_packed: bool = True,
         pack_layer_linears: str = "auto",
+        native_attention: bool = True,
     ) -> None:
         first = next(iter(model.parameters()))
         self.model = model
@@ -86,8 +88,13 @@ class ModelRunner:
             cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
-        # Decode rows read contiguous copies of their KV: at most the pool's size again in memory.
-        self.decode_kv = DecodeKV(self.cache, num_blocks * block_size)
+        # fp32 decode rows on CPU attend through the compiled kernel where it builds (``native``).
+        is_native = native_attention and self.device.type == "cpu" and self.dtype == torch.float32
+        self.decode_kernel = decode_attention_kernel() if is_native else None
+        # Decode rows read contiguous copies of their KV: at most the pool's size again in memory. The
+        # kernel reads keys fastest as [C, D] (1.7x over [D, C]); without it DecodeKV picks by the CPU.
+        keys_transposed = False if self.decode_kernel is not None else None
+        self.decode_kv = DecodeKV(self.cache, num_blocks * block_size, keys_transposed)
         self.packed = PackedWeights([])
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
             use_transposed_weight_layout(model)
@@ -104,7 +111,7 @@ class ModelRunner:
         meta = build_step_metadata(
             step.spans, self.block_size, self.sliding_window, self.dtype, self.device, decode_kv_rows
         )
-        attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv)
+        attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv, self.decode_kernel)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
         with self.packed.serving():

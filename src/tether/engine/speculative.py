@@ -127,10 +127,11 @@ class DraftModelProposer:
 
     def __init__(
         self, draft_model: DecoderModel, num_tokens: int, *, num_blocks: int, block_size: int,
-        is_lm_head_packed: bool = True, pack_layer_linears: str = "auto",
+        is_lm_head_packed: bool = True, pack_layer_linears: str = "auto", native_attention: bool = True,
     ) -> None:
         self.num_tokens = num_tokens
-        self.runner = ModelRunner(draft_model, num_blocks, block_size, is_lm_head_packed, pack_layer_linears)
+        self.runner = ModelRunner(draft_model, num_blocks, block_size, is_lm_head_packed, pack_layer_linears,
+                                  native_attention)
 
     def propose(
         self, seqs: list[Sequence], max_num_tokens: list[int], block_copies: list[tuple[int, int]]
@@ -351,6 +352,7 @@ def build_proposer(
     return DraftModelProposer(
         draft_model, config.num_speculative_tokens, num_blocks=num_blocks, block_size=config.block_size,
         is_lm_head_packed=config.cpu_pack_lm_head, pack_layer_linears=config.cpu_pack_linears,
+        native_attention=config.cpu_native_attention,
     )
 
 

@@ -1,0 +1,103 @@
+"""The compiled CPU decode attention (``tether.engine.native``) against the PyTorch path it replaces."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from helpers.hf_tiny import make_hf_checkpoint
+from tether.engine import EngineConfig, LLMEngine, SamplingParams, native
+from tether.engine.attention import AttentionGroup, _attend_decode, _attend_decode_native
+from tether.models import load_model
+
+needs_toolchain = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler here"
+)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = native.decode_attention_kernel()
+    assert built is not None, "a C++ compiler is here but the kernel did not build (see the warning)"
+    return built
+
+
+def _decode_group(lengths: list[int], num_keys: int, window: int | None) -> AttentionGroup:
+    """The decode group ``build_step_metadata`` makes for rows with these context lengths."""
+    num_rows = len(lengths)
+    lens = torch.tensor(lengths)
+    k_pos = torch.arange(num_keys)
+    is_visible = k_pos[None, :] < lens[:, None]
+    if window is not None:
+        is_visible &= (lens[:, None] - 1 - k_pos[None, :]) < window
+    mask = torch.zeros(num_rows, 1, 1, num_keys).masked_fill_(~is_visible[:, None, None, :], float("-inf"))
+    index = torch.arange(num_rows)
+    return AttentionGroup(index[:, None], index, mask, None, index, None, context_lens=lens, window=window)
+
+
+@needs_toolchain
+@pytest.mark.parametrize("keys_by_token", [True, False])  # keys [C, D] or held transposed [D, C]
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (1, 128), (4, 24), (8, 64)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernel_matches_the_matmul_path(kernel, keys_by_token, group, head_dim, window):
+    torch.manual_seed(group * head_dim)
+    num_rows, num_kv_heads, capacity, num_keys = 7, 2, 48, 40
+    lengths = [1, 40, 17, 5, 33, 2, 39]
+    # Slots longer than the step reads (DecodeKV's capacity), so k and v are strided views.
+    values = torch.randn(num_rows, num_kv_heads, capacity, head_dim)[:, :, :num_keys]
+    if keys_by_token:
+        keys_t = (torch.randn(num_rows, num_kv_heads, capacity, head_dim) * 3)[:, :, :num_keys].transpose(-1, -2)
+    else:
+        keys_t = (torch.randn(num_rows, num_kv_heads, head_dim, capacity) * 3)[..., :num_keys]
+    q = torch.randn(num_rows, num_kv_heads * group, head_dim)
+    g = _decode_group(lengths, num_keys, window)
+    expected = _attend_decode(q, keys_t, values, g, g.mask, is_matmul=True)
+    out = _attend_decode_native(kernel, q, keys_t, values, g, window or 0)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+@needs_toolchain
+def test_kernel_rejects_what_it_cannot_read(kernel):
+    q, k = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 5, 8)
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernel(q.double(), k.double(), k.double(), torch.tensor([5, 5]), 0.3, 0)
+    with pytest.raises(RuntimeError, match="do not match"):
+        kernel(q, k, k[:, :, :4], torch.tensor([5, 5]), 0.3, 0)
+
+
+@needs_toolchain
+def test_engine_generates_the_same_with_and_without_the_kernel(tmp_path, kernel):
+    """Greedy tokens equal, sampled ones too (same seeds), log-probs within 1e-5; with a pool small
+    enough to preempt, and contexts past 128 keys (the pool-gather path took SDPA there)."""
+    path = make_hf_checkpoint(tmp_path / "qwen2", "qwen2", seed=3)
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 150, 9)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=12), SamplingParams(temperature=1.0, max_new_tokens=30,
+                                                                                 seed=4, n=3)]
+    results = []
+    for is_native in (True, False):
+        config = EngineConfig(num_kv_blocks=60, block_size=4, max_num_batched_tokens=64,
+                              cpu_native_attention=is_native)
+        engine = LLMEngine(load_model(path), config=config)
+        assert (engine.runner.decode_kernel is not None) == is_native
+        results.append([engine.generate(prompts, p) for p in params])
+    for with_kernel, without in zip(*results):
+        for a, b in zip(with_kernel, without):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_pytorch_path(tmp_path, monkeypatch):
+    broken = tmp_path / "decode_attention.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    with pytest.warns(RuntimeWarning, match="native CPU decode attention unavailable"):
+        assert native.decode_attention_kernel.__wrapped__() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the flag off: nothing is built, nothing warned
+        engine = LLMEngine(load_model(make_hf_checkpoint(tmp_path / "m", "qwen2", seed=1)),
+                           config=EngineConfig(num_kv_blocks=16, cpu_native_attention=False))
+    assert engine.runner.decode_kernel is None
+    assert engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3))[0].num_tokens == 3
