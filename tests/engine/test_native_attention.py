@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +64,17 @@ def test_kernel_matches_the_matmul_path(kernel, keys_by_token, group, head_dim, 
 
 
 @needs_toolchain
+def test_kernel_edges_no_rows_and_a_nan_confined_to_its_row(kernel):
+    assert kernel(*(torch.randn(0, 2, 3, 8),) * 3, torch.zeros(0, dtype=torch.long), 0.3, 0).shape == (0, 2, 3, 8)
+    q, k, v = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
+    k[1, 0, 2, 5] = float("nan")
+    out = kernel(q, k, v, torch.tensor([6, 6, 6]), 0.3, 0)
+    assert out[1, 0].isnan().all() and not out[1, 1].isnan().any()  # that row and KV head only
+    assert not out[[0, 2]].isnan().any()
+    assert not kernel(q, k, v, torch.tensor([6, 6, 6]), 0.3, 3)[1].isnan().any()  # the window leaves it out
+
+
+@needs_toolchain
 def test_kernel_rejects_what_it_cannot_read(kernel):
     q, k = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 5, 8)
     with pytest.raises(RuntimeError, match="fp32"):
@@ -90,14 +105,51 @@ def test_engine_generates_the_same_with_and_without_the_kernel(tmp_path, kernel)
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_pytorch_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     broken = tmp_path / "decode_attention.cpp"
-    broken.write_text("this is not C++\n")
+    broken.write_text("int main() { return undeclared; }\n")
     monkeypatch.setattr(native, "SOURCE", broken)
-    with pytest.warns(RuntimeWarning, match="native CPU decode attention unavailable"):
-        assert native.decode_attention_kernel.__wrapped__() is None
+    if native.compiler_target():  # a compiler is here: the warning carries its error, not the command
+        with pytest.warns(RuntimeWarning, match="native CPU decode attention unavailable.*undeclared"):
+            assert native.decode_attention_kernel.__wrapped__() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the flag off: nothing is built, nothing warned
         engine = LLMEngine(load_model(make_hf_checkpoint(tmp_path / "m", "qwen2", seed=1)),
                            config=EngineConfig(num_kv_blocks=16, cpu_native_attention=False))
     assert engine.runner.decode_kernel is None
     assert engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3))[0].num_tokens == 3
+
+
+_LOAD = """
+import sys, warnings
+warnings.simplefilter("error")
+from tether.engine import native
+sys.exit(0 if native.decode_attention_kernel() is not None else 3)
+"""
+
+
+@needs_toolchain
+def test_a_built_kernel_loads_past_a_dead_builders_lock_without_ninja(kernel, tmp_path):
+    """A builder killed mid-compile (a generator process stopped while it starts) leaves
+    cpp_extension's lock file behind, which made every later load wait forever; and a cached build
+    needs neither ninja nor a writable cache to load."""
+    from torch.utils import cpp_extension
+
+    name = native.build_name()
+    built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+    extensions = tmp_path / "extensions"
+    copy = extensions / name / f"{name}.so"  # where cpp_extension builds under TORCH_EXTENSIONS_DIR
+    copy.parent.mkdir(parents=True)
+    shutil.copy(built, copy)
+    (copy.parent / "lock").write_text("")  # the dead builder's
+    copy.parent.chmod(0o555)  # read-only
+    tools = tmp_path / "bin"  # a ninja that fails, ahead of any other: building would need it
+    tools.mkdir()
+    (tools / "ninja").write_text("#!/bin/sh\nexit 1\n")
+    (tools / "ninja").chmod(0o755)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _LOAD], env=env, timeout=120, capture_output=True, text=True)
+    finally:
+        copy.parent.chmod(0o755)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -316,6 +316,7 @@ def _attend_decode_native(
     assert group.context_lens is not None
     num_rows, num_kv_heads, head_dim, _ = keys_t.shape
     queries = q[group.query_index.view(-1)].view(num_rows, num_kv_heads, -1, head_dim)  # [S, Hkv, G, D]
+    queries = queries.to(keys_t.dtype)  # as _attend_decode (under autocast q may be another dtype)
     out = kernel(queries, keys_t.transpose(-1, -2), values, group.context_lens, head_dim**-0.5, window)
     return out.view(num_rows, -1, head_dim)  # [S, Hq, D]
 

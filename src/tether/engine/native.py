@@ -2,59 +2,140 @@
 
 ``decode_attention`` (``csrc/decode_attention.cpp``): fp32 decode attention over each sequence's
 contiguous KV, in one pass over its keys and one over its values, instead of two batched matmuls
-that MKL streams at about a third of the memory bandwidth (``docs/benchmarks.md``). It sits behind
-the plain-PyTorch path, never instead of it: where it cannot be built (no C++ compiler, no ninja,
-another platform) the engine warns once and attends with PyTorch ops, as with
-``engine.cpu_native_attention: false``.
+that MKL streamed at about a third of the memory bandwidth (``docs/benchmarks.md``, "compiled decode
+attention"). It sits behind the plain-PyTorch path, never instead of it: where it cannot be built
+(no C++ compiler, no ninja, another platform) the engine warns once and attends with PyTorch ops,
+as with ``engine.cpu_native_attention: false``.
 
 Built with ``torch.utils.cpp_extension`` for this CPU (``-march=native``) into torch's extension
-cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), once per machine: ~25 s on
-2 cores, announced on stderr. The build's name hashes the source, the flags, torch's version and the
-CPU's model and instruction-set flags, so a cache shared between machines never hands one CPU code
-built for another.
+cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): ~25 s on 2 cores, announced
+on stderr, once per machine, torch version and Python version. Later processes import the built
+library directly (no lock, no ninja, no rebuild check; a read-only cache serves). The build's name
+hashes the source, the flags, torch's version, what the compiler resolves ``-march=native`` to and
+the CPU's identity in /proc/cpuinfo (x86 model and flags, Arm implementer, part and features), so a
+cache shared between machines never hands one CPU code built for another. Builds are serialised by
+an OS lock that dies with its holder: a builder killed mid-compile (a generator process stopped
+while it starts) leaves nothing that makes the next one wait.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import importlib.util
 import os
+import re
 import shutil
+import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from tether.engine.cpu_kernels import cpuinfo_field
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: cpp_extension's own lock file only
+    fcntl = None  # type: ignore[assignment]
+
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
 # Links the OpenMP runtime by soname (libgomp.so.1), which resolves to the one torch already loaded.
 LDFLAGS = ("-fopenmp",)
+CPU_FIELDS = ("model name", "flags", "CPU implementer", "CPU part", "Features")  # x86, then Arm
 
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
+
+
+@functools.cache
+def compiler_target() -> str:
+    """What the C++ compiler makes of ``-march=native`` here (GCC's resolved target options), or ''."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True,
+                              text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
 
 
 def build_name() -> str:
     """The extension's name: a digest of everything that makes one build differ from another."""
     parts = [SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-             cpuinfo_field("model name").encode(), cpuinfo_field("flags").encode()]
+             compiler_target().encode(), *(cpuinfo_field(field).encode() for field in CPU_FIELDS)]
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return f"tether_decode_attention_{digest}"
 
 
-def _find_ninja() -> None:
-    """Put the ``ninja`` Python package's binary on PATH when no ninja is there (a venv run without
-    activating it), as ``torch.utils.cpp_extension`` looks for it on PATH."""
-    if shutil.which("ninja") is not None:
-        return
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """The ``ninja`` Python package's binary on PATH while building, when no ninja is there (a venv
+    run without activating it): ``torch.utils.cpp_extension`` looks for it on PATH."""
+    path = os.environ.get("PATH", "")
     try:
         import ninja  # noqa: PLC0415
     except ImportError:
+        ninja = None
+    if shutil.which("ninja") is not None or ninja is None:
+        yield
         return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+def _import_library(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Exclusive between processes; the OS releases it when its holder exits, however it exits."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    with open(build_dir / "tether.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _build(name: str, build_dir: Path) -> ModuleType:
+    from torch.utils import cpp_extension  # noqa: PLC0415
+
+    library = build_dir / f"{name}.so"
+    with _build_lock(build_dir):
+        if library.exists():  # built by another process while this one waited
+            return _import_library(name, library)
+        # cpp_extension's own lock file, left by a builder that died: it would make load() wait
+        # forever, and no other builder can hold it while this process holds the lock above.
+        (build_dir / "lock").unlink(missing_ok=True)
+        print(f"tether: compiling the native CPU decode attention into {build_dir} (once, ~25 s)",
+              file=sys.stderr, flush=True)
+        with _ninja_on_path():
+            return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                                      extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
+
+
+def _reason(error: BaseException) -> str:
+    """One line: the compiler's first error when a build failed, else the exception."""
+    text = f"{type(error).__name__}: {error}"
+    errors = [line.strip() for line in text.splitlines() if re.search(r"\berror\b", line, re.IGNORECASE)]
+    compiler_errors = [line for line in errors if ": error:" in line]
+    picked = (compiler_errors or errors or [text])[0]
+    return " ".join(picked.split())[:300]
 
 
 @functools.cache
@@ -64,17 +145,13 @@ def decode_attention_kernel() -> DecodeAttention | None:
     try:
         from torch.utils import cpp_extension  # noqa: PLC0415
 
-        _find_ninja()
         name = build_name()
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-        if not (build_dir / f"{name}.so").exists():
-            print(f"tether: compiling the native CPU decode attention into {build_dir} "
-                  "(once per machine, ~25 s)", file=sys.stderr, flush=True)
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-                                    extra_ldflags=list(LDFLAGS), verbose=False)
+        library = build_dir / f"{name}.so"
+        module = _import_library(name, library) if library.exists() else _build(name, build_dir)
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
-        reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-        warnings.warn(f"tether: native CPU decode attention unavailable ({reason}); attending with PyTorch ops "
-                      "instead (engine.cpu_native_attention: false silences this)", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"tether: native CPU decode attention unavailable ({_reason(error)}); attending with "
+                      "PyTorch ops instead (engine.cpu_native_attention: false silences this)", RuntimeWarning,
+                      stacklevel=2)
         return None
     return module.decode_attention

@@ -26,10 +26,11 @@
 namespace {
 
 // e^x for x <= 0 (a score minus its row's maximum). Below -87 it returns e^-87 (a weight under
-// 2^-125 next to the maximum's 1); a NaN gives NaN.
+// 2^-125 next to the maximum's 1); a NaN gives NaN (through r; n is kept finite for the int cast).
 inline float exp_nonpositive(float x) {
   x = x < -87.0f ? -87.0f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);  // x = n ln2 + r, |r| <= ln2 / 2
+  float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);  // x = n ln2 + r, |r| <= ln2 / 2
+  n = n >= -126.0f ? n : -126.0f;  // false for NaN: a finite n
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;  // ln2 in two parts, the first exact in few bits
   const float r2 = r * r;
