@@ -123,10 +123,10 @@ class DecodeKV:
     rows per KV head is memory-bound, and which layout MKL streams faster depends on the CPU: keys
     transposed ran it ~1.5x faster on an Intel Xeon (128 rows x 256 keys, 2 threads), ``[C, D]`` keys
     1.4x faster on an AMD EPYC (``cpu_kernels.choose_decode_layout`` picks by the CPU; values held
-    ``[D, C]`` were 1.6x slower there with the room slots keep to grow). The compiled decode attention
-    (``tether.engine.native``) reads either, ``[C, D]`` keys 1.7x faster: the runner asks for those
-    when it has the kernel. Other dtypes keep ``[C, D]``
-    keys and attend through SDPA, which scores in fp32 (a bf16 matmul would round the scores);
+    ``[D, C]`` were 1.6x slower there with the room slots keep to grow). The compiled decode
+    attention (``tether.engine.native``) reads either, ``[C, D]`` keys 1.7x faster: the runner asks
+    for those when it has the kernel. Other dtypes keep ``[C, D]`` keys and attend through SDPA,
+    which scores in fp32 (a bf16 matmul would round the scores);
     handed a transposed view, SDPA's CPU kernel moved bf16 greedy log-probs by ~0.02. A bf16
     model's copies stay bf16 so that its decode rows attend by the same kernel as the trainer's
     forward: copies held in fp32 for the fp32 matmuls were as close to an fp32 reference as SDPA and
