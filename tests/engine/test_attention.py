@@ -65,6 +65,8 @@ def test_mixed_prefill_and_decode_step_matches_reference(window, is_native):
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, layout)])[None]
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, layout)])[None]
     kernel = native.decode_attention_kernel() if is_native else None
+    if is_native and kernel is None:
+        pytest.skip("the native kernel cannot be built here")
     attn = PagedAttention(cache, meta, sliding_window_layers=(0,) if window else (), decode_kernel=kernel)
     out = attn.attend(0, q, new_k, new_v)[0]
     offset = 0

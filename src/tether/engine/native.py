@@ -10,12 +10,15 @@ as with ``engine.cpu_native_attention: false``.
 Built with ``torch.utils.cpp_extension`` for this CPU (``-march=native``) into torch's extension
 cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): ~25 s on 2 cores, announced
 on stderr, once per machine, torch version and Python version. Later processes import the built
-library directly (no lock, no ninja, no rebuild check; a read-only cache serves). The build's name
-hashes the source, the flags, torch's version, what the compiler resolves ``-march=native`` to and
-the CPU's identity in /proc/cpuinfo (x86 model and flags, Arm implementer, part and features), so a
-cache shared between machines never hands one CPU code built for another. Builds are serialised by
-an OS lock that dies with its holder: a builder killed mid-compile (a generator process stopped
-while it starts) leaves nothing that makes the next one wait.
+library directly (no ninja, no rebuild check). The build's name hashes the source, the flags,
+torch's and Python's versions, what the compiler resolves ``-march=native`` to and the CPU's
+identity in /proc/cpuinfo (x86 model and flags, Arm implementer, part and features), so a cache
+shared between machines never hands one CPU code built for another. Builds and loads are
+serialised by an OS lock that dies with its holder, and a library is imported only once a marker
+written after its build names its size: a builder killed mid-compile or mid-link (a generator
+process stopped while it starts) leaves neither a lock that makes the next one wait nor a partial
+library that would crash the importing process (a truncated ``.so`` dies of SIGBUS, past any
+``except``); the next process builds again.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,7 +71,8 @@ def compiler_target() -> str:
 def build_name() -> str:
     """The extension's name: a digest of everything that makes one build differ from another."""
     parts = [SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-             compiler_target().encode(), *(cpuinfo_field(field).encode() for field in CPU_FIELDS)]
+             str(sysconfig.get_config_var("SOABI") or sys.version).encode(), compiler_target().encode(),
+             *(cpuinfo_field(field).encode() for field in CPU_FIELDS)]
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return f"tether_decode_attention_{digest}"
 
@@ -100,33 +105,52 @@ def _import_library(name: str, library: Path) -> ModuleType:
     return module
 
 
+MARKER = "tether.built"  # written after a build: the library's size in bytes
+
+
 @contextlib.contextmanager
 def _build_lock(build_dir: Path) -> Iterator[None]:
-    """Exclusive between processes; the OS releases it when its holder exits, however it exits."""
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:
+    """Exclusive between processes; the OS releases it when its holder exits, however it exits.
+    Where there can be none (not POSIX, a cache this process cannot write) nothing is serialised."""
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(build_dir / "tether.lock", "a")  # noqa: SIM115
+    except OSError:
         yield
         return
-    with open(build_dir / "tether.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
         yield
 
 
-def _build(name: str, build_dir: Path) -> ModuleType:
+def _is_complete(build_dir: Path, library: Path) -> bool:
+    """Whether ``library`` is a finished build: its marker names its size."""
+    try:
+        return library.stat().st_size == int((build_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _load(name: str, build_dir: Path) -> ModuleType:
+    """The built library, building it first unless a finished build is there."""
     from torch.utils import cpp_extension  # noqa: PLC0415
 
     library = build_dir / f"{name}.so"
     with _build_lock(build_dir):
-        if library.exists():  # built by another process while this one waited
+        if _is_complete(build_dir, library):
             return _import_library(name, library)
-        # cpp_extension's own lock file, left by a builder that died: it would make load() wait
-        # forever, and no other builder can hold it while this process holds the lock above.
-        (build_dir / "lock").unlink(missing_ok=True)
+        for leftover in (library, build_dir / MARKER, build_dir / "lock"):
+            # a partial library, or cpp_extension's lock file left by a builder that died (it would
+            # make load() wait forever; no other builder can hold it while this process holds ours)
+            leftover.unlink(missing_ok=True)
         print(f"tether: compiling the native CPU decode attention into {build_dir} (once, ~25 s)",
               file=sys.stderr, flush=True)
         with _ninja_on_path():
-            return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-                                      extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
+            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                                        extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
+        (build_dir / MARKER).write_text(str(library.stat().st_size))
+        return module
 
 
 def _reason(error: BaseException) -> str:
@@ -146,9 +170,7 @@ def decode_attention_kernel() -> DecodeAttention | None:
         from torch.utils import cpp_extension  # noqa: PLC0415
 
         name = build_name()
-        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-        library = build_dir / f"{name}.so"
-        module = _import_library(name, library) if library.exists() else _build(name, build_dir)
+        module = _load(name, Path(cpp_extension._get_build_directory(name, verbose=False)))
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
         warnings.warn(f"tether: native CPU decode attention unavailable ({_reason(error)}); attending with "
                       "PyTorch ops instead (engine.cpu_native_attention: false silences this)", RuntimeWarning,
