@@ -126,32 +126,6 @@ warnings.simplefilter("error")
 from tether.engine import native
 sys.exit(0 if native.decode_attention_kernel() is not None else 3)
 """
-
-
-@needs_toolchain
-def test_a_built_kernel_loads_past_a_dead_builders_lock_without_ninja(kernel, tmp_path):
-    """A builder killed mid-compile (a generator process stopped while it starts) leaves
-    cpp_extension's lock file behind, which made every later load wait forever; and a cached build
-    needs no ninja to load (it is imported, not checked by a build)."""
-    from torch.utils import cpp_extension
-
-    name = native.build_name()
-    built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
-    extensions = tmp_path / "extensions"
-    copy = extensions / name / f"{name}.so"  # where cpp_extension builds under TORCH_EXTENSIONS_DIR
-    copy.parent.mkdir(parents=True)
-    shutil.copy(built, copy)
-    (copy.parent / native.MARKER).write_text(str(copy.stat().st_size))  # a finished build
-    (copy.parent / "lock").write_text("")  # the dead builder's
-    tools = tmp_path / "bin"  # a ninja that fails, ahead of any other: building would need it
-    tools.mkdir()
-    (tools / "ninja").write_text("#!/bin/sh\nexit 1\n")
-    (tools / "ninja").chmod(0o755)
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run([sys.executable, "-c", _LOAD], env=env, timeout=120, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-
-
 _LOAD_OR_FALL_BACK = """
 import sys
 from tether.engine import native
@@ -159,26 +133,55 @@ sys.exit(0 if native.decode_attention_kernel() is None else 4)
 """
 
 
-@needs_toolchain
-def test_a_half_written_library_is_rebuilt_not_imported(kernel, tmp_path):
-    """A builder killed while linking leaves a truncated library; importing one killed the process
-    (SIGBUS, past any except). Without its finished-build marker it is removed and built again:
-    here that build fails (ninja fails), so the engine falls back with a warning, alive."""
-    from torch.utils import cpp_extension
+def _cache_without_ninja(tmp_path: Path, library: bytes) -> tuple[Path, dict[str, str]]:
+    """A fresh extension cache holding ``library`` where the kernel's build goes, and an environment
+    that uses that cache with a ninja that fails ahead of any other (building would need it):
+    (the library's path there, the environment)."""
 
     name = native.build_name()
-    built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
-    partial = tmp_path / "extensions" / name / f"{name}.so"
-    partial.parent.mkdir(parents=True)
-    partial.write_bytes(built.read_bytes()[: built.stat().st_size // 2])
+    copy = tmp_path / "extensions" / name / f"{name}.so"  # where cpp_extension builds under TORCH_EXTENSIONS_DIR
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(library)
     tools = tmp_path / "bin"
     tools.mkdir()
     (tools / "ninja").write_text("#!/bin/sh\nexit 1\n")
     (tools / "ninja").chmod(0o755)
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
            "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run([sys.executable, "-c", _LOAD_OR_FALL_BACK], env=env, timeout=120, capture_output=True,
-                          text=True)
+    return copy, env
+
+
+def _built_library() -> bytes:
+    from torch.utils import cpp_extension
+
+    name = native.build_name()
+    return (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").read_bytes()
+
+
+def _run(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script], env=env, timeout=120, capture_output=True, text=True)
+
+
+@needs_toolchain
+def test_a_built_kernel_loads_past_a_dead_builders_lock_without_ninja(kernel, tmp_path):
+    """A builder killed mid-compile (a generator process stopped while it starts) leaves
+    cpp_extension's lock file behind, which made every later load wait forever; and a cached build
+    needs no ninja to load (it is imported, not checked by a build)."""
+    copy, env = _cache_without_ninja(tmp_path, _built_library())
+    (copy.parent / native.MARKER).write_text(str(copy.stat().st_size))  # a finished build
+    (copy.parent / "lock").write_text("")  # the dead builder's
+    done = _run(_LOAD, env)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@needs_toolchain
+def test_a_half_written_library_is_rebuilt_not_imported(kernel, tmp_path):
+    """A builder killed while linking leaves a truncated library; importing one killed the process
+    (SIGBUS, past any except). Without its finished-build marker it is removed and built again:
+    here that build fails (ninja fails), so the engine falls back with a warning, alive."""
+    library = _built_library()
+    partial, env = _cache_without_ninja(tmp_path, library[: len(library) // 2])
+    done = _run(_LOAD_OR_FALL_BACK, env)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "native CPU decode attention unavailable" in done.stderr
     assert not partial.exists()  # the partial library is gone

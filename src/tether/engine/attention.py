@@ -213,7 +213,8 @@ class PagedAttention:
     meta: StepMetadata
     sliding_window_layers: tuple[int, ...] = ()  # layers that use the group's window_mask
     decode_kv: DecodeKV | None = None  # holds the decode group's KV when it has ``decode_kv_positions``
-    # fp32 CPU decode rows attend through this compiled kernel when given (``tether.engine.native``)
+    # Decode rows attend through this compiled kernel when given (``tether.engine.native``; the runner
+    # gives it for fp32 models on CPU only)
     decode_kernel: DecodeAttention | None = None
     _slot_writes: SlotWrites | None = field(default=None, init=False)  # the first layer's, for all
 
@@ -249,11 +250,10 @@ class PagedAttention:
         self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, group: AttentionGroup,
         mask: torch.Tensor, is_windowed: bool, is_matmul: bool,
     ) -> torch.Tensor:
-        """``_attend_decode``, through the compiled kernel for fp32 rows on CPU when there is one."""
-        kernel = self.decode_kernel
-        if kernel is not None and keys_t.dtype == torch.float32 and keys_t.device.type == "cpu":
+        """``_attend_decode``, through the compiled kernel when there is one."""
+        if self.decode_kernel is not None:
             window = group.window if is_windowed and group.window is not None else 0
-            return _attend_decode_native(kernel, q, keys_t, values, group, window)
+            return _attend_decode_native(self.decode_kernel, q, keys_t, values, group, window)
         return _attend_decode(q, keys_t, values, group, mask, is_matmul)
 
     def _append_decode_kv(

@@ -126,12 +126,12 @@ class DecodeKV:
     ``[D, C]`` were 1.6x slower there with the room slots keep to grow). The compiled decode
     attention (``tether.engine.native``) reads either, ``[C, D]`` keys 1.7x faster: the runner asks
     for those when it has the kernel. Other dtypes keep ``[C, D]`` keys and attend through SDPA,
-    which scores in fp32 (a bf16 matmul would round the scores);
-    handed a transposed view, SDPA's CPU kernel moved bf16 greedy log-probs by ~0.02. A bf16
-    model's copies stay bf16 so that its decode rows attend by the same kernel as the trainer's
-    forward: copies held in fp32 for the fp32 matmuls were as close to an fp32 reference as SDPA and
-    no faster end to end, but put the engine's log-probs 5x further from the bf16 trainer's (mean
-    0.0053 against 0.0011), the mismatch the loop's importance weights correct for.
+    which scores in fp32 (a bf16 matmul would round the scores); handed a transposed view, SDPA's
+    CPU kernel moved bf16 greedy log-probs by ~0.02. A bf16 model's copies stay bf16 so that its
+    decode rows attend by the same kernel as the trainer's forward: copies held in fp32 for the fp32
+    matmuls were as close to an fp32 reference as SDPA and no faster end to end, but put the
+    engine's log-probs 5x further from the bf16 trainer's (mean 0.0053 against 0.0011), the
+    mismatch the loop's importance weights correct for.
 
     A slot stays valid only while its sequence decodes in consecutive ``assign`` calls (same
     ``block_table`` object, ``start`` equal to the slot's length): any other path that writes its KV
@@ -288,11 +288,12 @@ class DecodeKV:
         # benchmark), and one a few tokens over the storage reallocated 150 MB (~330 ms, 3.5 % of
         # a run) on every rollout.
         cap_numel = math.prod(self._shape(1, self.max_tokens, False))
+        # at least numel: ``assign`` keeps every shape within the cap
         size = cap_numel if is_past_cap else min(max(numel, 2 * self._storage["v"].numel()), cap_numel)
         kept_rows, kept_tokens = min(old_rows, new_rows), min(old_tokens, new_tokens)
         for name, is_transposed in self._copies():
             old, dim = getattr(self, name), _tokens_dim(is_transposed)
-            self._storage[name] = old.new_zeros(max(size, numel))
+            self._storage[name] = old.new_zeros(size)
             grown = self._storage[name][:numel].view(self._shape(new_rows, new_tokens, is_transposed))
             grown.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens).copy_(
                 old.narrow(1, 0, kept_rows).narrow(dim, 0, kept_tokens))

@@ -81,15 +81,17 @@ def build_name() -> str:
 def _ninja_on_path() -> Iterator[None]:
     """The ``ninja`` Python package's binary on PATH while building, when no ninja is there (a venv
     run without activating it): ``torch.utils.cpp_extension`` looks for it on PATH."""
-    path = os.environ.get("PATH", "")
-    try:
-        import ninja  # noqa: PLC0415
-    except ImportError:
-        ninja = None
-    if shutil.which("ninja") is not None or ninja is None:
+    bin_dir = None
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja  # noqa: PLC0415
+
+            bin_dir = ninja.BIN_DIR
+    if bin_dir is None:
         yield
         return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = bin_dir + os.pathsep + path
     try:
         yield
     finally:
@@ -132,10 +134,11 @@ def _is_complete(build_dir: Path, library: Path) -> bool:
         return False
 
 
-def _load(name: str, build_dir: Path) -> ModuleType:
+def _load(name: str) -> ModuleType:
     """The built library, building it first unless a finished build is there."""
-    from torch.utils import cpp_extension  # noqa: PLC0415
+    from torch.utils import cpp_extension  # noqa: PLC0415  (imports setuptools: only when an engine needs it)
 
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     library = build_dir / f"{name}.so"
     with _build_lock(build_dir):
         if _is_complete(build_dir, library):
@@ -167,10 +170,7 @@ def decode_attention_kernel() -> DecodeAttention | None:
     """The compiled ``decode_attention(q, k, v, lengths, scale, window)``, or None where it cannot be
     built here (warned once, with the reason)."""
     try:
-        from torch.utils import cpp_extension  # noqa: PLC0415
-
-        name = build_name()
-        module = _load(name, Path(cpp_extension._get_build_directory(name, verbose=False)))
+        module = _load(build_name())
     except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch path serves
         warnings.warn(f"tether: native CPU decode attention unavailable ({_reason(error)}); attending with "
                       "PyTorch ops instead (engine.cpu_native_attention: false silences this)", RuntimeWarning,

@@ -66,28 +66,26 @@ class Sampler:
         Every sampling (non-greedy) row draws exactly one uniform from its stream; greedy rows none.
         ``may_overwrite``: the caller no longer needs ``logits`` (the engine's own step output), so
         the plain path may work in place instead of allocating another ``[N, V]`` tensor."""
-        plain_rows = [i for i, p in enumerate(params) if _is_plain(p)]
-        if len(plain_rows) == len(params) and len({p.temperature for p in params}) == 1:
-            return _sample_plain(logits, params[0].temperature, rngs, may_overwrite)
-        if plain_rows:
-            return _sample_by_path(logits, params, rngs, plain_rows)
-        return _sample_general(logits, params, rngs)
+        paths = [_path(p) for p in params]
+        if len(set(paths)) > 1:
+            return _sample_by_path(logits, params, rngs, paths)
+        temperature = paths[0]
+        if temperature is None:
+            return _sample_general(logits, params, rngs)
+        return _sample_plain(logits, temperature, rngs, may_overwrite)
 
 
 def _sample_by_path(
-    logits: torch.Tensor, params: list[SamplingParams], rngs: list[SampleRNG], plain_rows: list[int]
+    logits: torch.Tensor, params: list[SamplingParams], rngs: list[SampleRNG], paths: list[float | None]
 ) -> SampleResult:
-    """A step whose rows need different paths: each plain row (``_is_plain``) through ``_sample_plain``
+    """A step whose rows need different paths (``_path``): each plain row through ``_sample_plain``
     with the rows of its temperature, the rest through the general path. A row's path depends on its
     own settings only, so a seeded row samples the same token whatever shares its step: the two paths
     round their CDFs differently, and a uniform near a boundary picked another token by path."""
     token_ids, logprobs = [0] * len(params), [0.0] * len(params)
     by_path: dict[float | None, list[int]] = {}
-    for i in plain_rows:
-        by_path.setdefault(params[i].temperature, []).append(i)
-    others = sorted(set(range(len(params))) - set(plain_rows))
-    if others:
-        by_path[None] = others
+    for i, path in enumerate(paths):
+        by_path.setdefault(path, []).append(i)
     for temperature, rows in by_path.items():
         index = torch.tensor(rows, device=logits.device)
         rows_params, rows_rngs = [params[i] for i in rows], [rngs[i] for i in rows]
@@ -116,9 +114,11 @@ def _sample_general(logits: torch.Tensor, params: list[SamplingParams], rngs: li
     return SampleResult(token_ids.tolist(), picked.tolist())  # the path's one host sync
 
 
-def _is_plain(params: SamplingParams) -> bool:
-    """A row that samples (not greedy) with no top-k/top-p/min-p: the RL default."""
-    return not params.is_greedy and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
+def _path(params: SamplingParams) -> float | None:
+    """A row's sampling path: its temperature for ``_sample_plain`` when it samples (not greedy) with
+    no top-k/top-p/min-p (the RL default), else None for ``_sample_general``."""
+    is_plain = not params.is_greedy and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
+    return params.temperature if is_plain else None
 
 
 def _sample_plain(logits: torch.Tensor, temperature: float, rngs: list[SampleRNG],
