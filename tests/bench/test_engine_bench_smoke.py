@@ -42,7 +42,11 @@ def test_engine_bench_prints_rates_and_ratios(dtype: str) -> None:
     assert flops is not None, out
     reference = float(flops.group(2))
     assert reference > 0 and reference == max(float(flops.group(i)) for i in (3, 4, 5))
-    assert abs(float(flops.group(6)) - float(flops.group(1)) / reference) <= 0.01
+    # The ratio comes from unrounded rates; each printed rate is within 0.05 of its own (a host with
+    # no native bf16 matmul printed 0.7 vs 1.0 GFLOP/s with ratio 0.68).
+    achieved = float(flops.group(1))
+    rounding = 0.05 / reference + 0.05 * achieved / (reference - 0.05) ** 2
+    assert abs(float(flops.group(6)) - achieved / reference) <= 0.01 + rounding
     assert len(re.findall(r"^decode at batch \d+", out, re.MULTILINE)) == 2  # the bench's batch and twice it
     # The roofline is a bound no engine beats, and the 10x line is ten transformers' rate over it.
     roof = re.search(r"^roofline \(mixed budgets\): (\d+\.\d+) GFLOP at (\d+\.\d+) GFLOP/s allow at most "
