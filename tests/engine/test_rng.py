@@ -1,7 +1,7 @@
 import numpy as np
 import torch
 
-from tether.engine.rng import SampleRNG, draw_at, draw_uniforms
+from tether.engine.rng import ACCEPT_DRAW, DRAFT_DRAW, STOP_DRAW, SampleRNG, draw_at, draw_uniforms, position_uniforms
 from tether.engine.sequence import sample_seed
 from tether.engine.types import SamplingParams
 
@@ -50,6 +50,18 @@ def test_draw_at_reads_chosen_offsets_and_advances_by_what_was_consumed():
     out = draw_at([a, b], np.array([[0, 3], [1, 1]], dtype=np.uint64), [4, 2])
     assert out[0].tolist() == [reference[0].item(), reference[3].item()]
     assert (a.num_draws, b.num_draws) == (4, 2)
+
+
+def test_position_draws_are_keyed_by_seed_position_and_purpose_and_leave_the_stream_alone():
+    rng = SampleRNG(77, num_draws=13)
+    reference = draw_uniforms([SampleRNG(77)], 3 * 6)[0].view(6, 3)  # draw 3t + purpose
+    other = SampleRNG(78)
+    positions = np.array([[5, 0, 2], [1, 1, 4]])
+    for purpose in (DRAFT_DRAW, ACCEPT_DRAW, STOP_DRAW):
+        got = position_uniforms([rng, other], positions, purpose)
+        assert got[0].tolist() == reference[[5, 0, 2], purpose].tolist()
+        assert got[1, 0] == got[1, 1] and got[1, 0] != got[0, 0]
+    assert (rng.num_draws, other.num_draws) == (13, 0)
 
 
 def test_uniforms_are_uniform_within_a_stream_and_across_sample_seeds():

@@ -139,33 +139,41 @@ def assert_distributed_as(samples: torch.Tensor, probs: torch.Tensor) -> None:
     assert statistic < CHI2_CRITICAL_0_001[dof], f"chi2={statistic:.1f} with {dof} dof"
 
 
-@pytest.mark.parametrize("is_point_mass", [False, True], ids=["draft-q", "ngram-point-mass"])
-def test_accepted_tokens_follow_the_target_distribution(is_point_mass):
+@pytest.mark.parametrize("kind", ["draft-q", "draft-q-tail", "ngram-point-mass"])
+def test_accepted_tokens_follow_the_target_distribution(kind):
     num_samples, vocab_size, k = 20_000, 8, 2
     gen = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(k + 1, vocab_size, generator=gen) * 1.5, dim=-1)  # [K + 1, V]
-    q = torch.softmax(torch.randn(k, vocab_size, generator=gen) * 1.5, dim=-1)  # [K, V]
+    q = torch.softmax(torch.randn(k + 1, vocab_size, generator=gen) * 1.5, dim=-1)  # [K + 1, V], q_K: the tail's
     p[0, 3] = 0.0  # a token the target never emits (top-k filtered), even if drafted
     p = p / p.sum(-1, keepdim=True)
     logprobs, num_drafts = p.log().expand(num_samples, k + 1, vocab_size), torch.full((num_samples,), k)
-    is_greedy, uniforms = torch.zeros(num_samples, dtype=torch.bool), torch.rand(num_samples, k + 1, generator=gen)
-    if is_point_mass:  # prompt lookup: always the same draft tokens, the coupled test
+    is_greedy, uniforms = torch.zeros(num_samples, dtype=torch.bool), torch.rand(num_samples, k + 1, 2, generator=gen)
+    if kind == "ngram-point-mass":  # prompt lookup: always the same draft tokens, the coupled test
         draft_ids = torch.tensor([[2, 5]]).expand(num_samples, k)
-        verdict = accept_coupled(logprobs, draft_ids, num_drafts, is_greedy, uniforms)
-    else:  # each row drafts its own tokens from q
-        draft_ids = torch.stack([torch.multinomial(q[i], num_samples, True, generator=gen) for i in range(k)], 1)
-        verdict = accept_drafts(logprobs, draft_ids, num_drafts, q.expand(num_samples, k, vocab_size), is_greedy,
-                                uniforms)
+        verdict = accept_coupled(logprobs, draft_ids, num_drafts, is_greedy, uniforms[..., 0])
+    else:  # each row drafts its own tokens from q; the last column is a tail (tested, never fed) or padding
+        draft_ids = torch.stack([torch.multinomial(q[i], num_samples, True, generator=gen) for i in range(k + 1)], 1)
+        has_tail = torch.full((num_samples,), kind == "draft-q-tail")
+        verdict = accept_drafts(logprobs, draft_ids, num_drafts, q.expand(num_samples, k + 1, vocab_size), is_greedy,
+                                uniforms, has_tail)
     first = verdict.token_ids[:, 0]
     assert_distributed_as(first, p[0])
-    # The second token, given the first was the accepted draft d_1, follows p_1 (the target at
-    # position 1, which in this test does not depend on d_1).
-    is_second = verdict.num_accepted >= 1
-    assert is_second.sum() > 1000
-    assert_distributed_as(verdict.token_ids[is_second, 1], p[1])
+    # The next token, given the previous was an accepted draft, follows the target at its position
+    # (which in this test does not depend on the drafts): token 1 after d_1, token 2 after d_2, the
+    # bonus draw or, with a tail, the tail or the residual.
+    for position in (1,) if kind == "ngram-point-mass" else (1, 2):  # both fixed drafts pass too rarely
+        is_reached = verdict.num_accepted >= position
+        assert is_reached.sum() > 1000
+        assert_distributed_as(verdict.token_ids[is_reached, position], p[position])
     # A naive "always accept" would put all mass on the drafts: make sure rejections happened.
     assert 0 < (verdict.num_accepted == 0).float().mean() < 1
     assert torch.allclose(verdict.logprobs[:, 0], p[0].log()[first])
+    if kind == "draft-q-tail":  # the tail stands as the last token as often as the test passes it
+        is_all = verdict.num_accepted == k
+        kept = (verdict.token_ids[is_all, k] == draft_ids[is_all, k]).float()
+        rate = torch.minimum(p[k], q[k]).sum().item()  # the rejection test's acceptance, sum min(p, q)
+        assert abs(kept.mean().item() - rate) < 4 * (rate * (1 - rate) / kept.numel()) ** 0.5
 
 
 def test_greedy_acceptance_is_argmax_match():
@@ -323,3 +331,26 @@ def test_prompt_lookup_samples_what_plain_decoding_samples_whatever_the_drafts(p
     crowded = tight.generate([PROMPTS[1], *prompts], [other, params, params])[other.n:]
     assert [c.token_ids for c in crowded] == [c.token_ids for c in plain]
     assert roomy.stats.num_draft_tokens > 0 and tight.stats.num_draft_tokens != roomy.stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("proposer", ["draft", "self-draft"])
+def test_draft_model_samples_depend_on_the_seed_not_on_the_drafts_or_the_batch(paths, proposer):
+    # Every token of a sampled row passes the rejection test, its draws keyed by (seed, output
+    # position): the same seeded samples with 1 or 3 drafts a step, with prompts chunked and drafts
+    # cut short by a small step budget next to another group and a greedy row, and when sequences
+    # are preempted and recomputed (before tails, each draft count shifted the random stream).
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=99, n=2)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    roomy = spec_engine(paths, proposer)
+    reference = [c.token_ids for c in roomy.generate(prompts, params)]
+    one = spec_engine(paths, proposer, num_speculative_tokens=1)
+    assert [c.token_ids for c in one.generate(prompts, params)] == reference
+    other = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5, n=3)
+    tight = spec_engine(paths, proposer, max_num_batched_tokens=6)
+    crowded = tight.generate([PROMPTS[1], *prompts, PROMPTS[3]], [other, params, params, GREEDY])
+    assert [c.token_ids for c in crowded[other.n : -1]] == reference
+    preempting = spec_engine(paths, proposer, num_kv_blocks=12)
+    assert [c.token_ids for c in preempting.generate(prompts, params)] == reference
+    assert preempting.stats.num_preemptions > 0
+    draft_counts = {e.stats.num_draft_tokens for e in (roomy, one, tight, preempting)}
+    assert len(draft_counts) == 4 and 0 not in draft_counts

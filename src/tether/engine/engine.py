@@ -14,8 +14,10 @@ stale KV.
 Speculative decoding (``EngineConfig.speculative``) slots in between schedule and sample: the
 scheduler reserves ``k`` lookahead slots after each decode token, a proposer (``speculative.py``)
 fills them with draft tokens, the forward returns logits at every position of those spans, and
-``accept_drafts`` keeps a prefix plus one token by rejection sampling. Slots of rejected drafts are
-simply overwritten later: ``num_computed_tokens`` only counts the accepted ones.
+``verify`` keeps a prefix plus one token by rejection sampling. Slots of rejected drafts are
+simply overwritten later: ``num_computed_tokens`` only counts the accepted ones. A draft model also
+proposes for every sampled row that has no slots (a prompt's end, a spent budget): a tail draft
+tested against the row's logits, so that every token of a seeded sample passes the same test.
 """
 
 from __future__ import annotations
@@ -173,21 +175,22 @@ class LLMEngine:
         proposals = self._propose(out)
         step_input, samplers, verifiers = self._prepare(out, proposals)
         logits = self.runner.run(step_input, out.block_copies)  # [N + sum(n_i + 1), V]
-        self._advance([item for item in out.scheduled if item.seq.seq_id not in proposals])
+        self._advance(out.scheduled)  # drafts count once accepted (_verify_and_finish)
         done.extend(self._sample_and_finish(logits[: len(samplers)], samplers))
         done.extend(self._verify_and_finish(logits[len(samplers) :], verifiers, proposals))
         self.stats.num_steps += 1
         return done
 
     def _propose(self, out: SchedulerOutput) -> dict[int, Proposal]:
-        """Draft tokens for the scheduled decodes with lookahead slots, by seq_id (non-empty only)."""
+        """Draft tokens for the scheduled items that sample, by seq_id (non-empty only): up to their
+        lookahead slots, and a tail where the proposer makes one."""
         if self.proposer is None:
             return {}
-        items = [item for item in out.scheduled if item.num_lookahead > 0]
+        items = [item for item in out.scheduled if item.is_sampling]
         proposals = self.proposer.propose(
             [item.seq for item in items], [item.num_lookahead for item in items], out.block_copies
         )
-        return {item.seq.seq_id: p for item, p in zip(items, proposals) if p.num_tokens > 0}
+        return {item.seq.seq_id: p for item, p in zip(items, proposals) if not p.is_empty}
 
     def _prepare(
         self, out: SchedulerOutput, proposals: dict[int, Proposal]
@@ -208,7 +211,7 @@ class LLMEngine:
             if proposal is not None:
                 token_ids.extend(proposal.token_ids)
                 num_new += proposal.num_tokens
-                verify_index.extend(range(len(token_ids) - num_new, len(token_ids)))
+                verify_index.extend(range(len(token_ids) - proposal.num_tokens - 1, len(token_ids)))
                 verifiers.append(seq)
             elif item.is_sampling:
                 sample_index.append(len(token_ids) - 1)
@@ -254,23 +257,31 @@ class LLMEngine:
         """logits ``[sum(n_i + 1), V]``: accept each verifier's drafts, emit, roll back the rest."""
         if not verifiers:
             return []
-        drafts = [proposals[seq.seq_id] for seq in verifiers]
-        verdict = verify(logits, verifiers, drafts)
+        # A leader ending its prompt (a tail only) verifies for its whole group from the same row.
+        seqs, drafts, rows, row = [], [], [], 0
+        for seq in verifiers:
+            proposal = proposals[seq.seq_id]
+            for member in [seq, *self.scheduler.fork(seq)] if seq.followers else [seq]:
+                seqs.append(member)
+                drafts.append(proposal)
+                rows.extend(range(row, row + proposal.num_tokens + 1))
+            row += proposal.num_tokens + 1
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        verdict = verify(logits, seqs, drafts)
         # The step's one host sync for the verifiers.
         token_ids, token_logprobs = verdict.token_ids.tolist(), verdict.logprobs.tolist()
         done: list[Completion] = []
         for seq, draft, num_accepted, ids, lps in zip(
-            verifiers, drafts, verdict.num_accepted.tolist(), token_ids, token_logprobs
+            seqs, drafts, verdict.num_accepted.tolist(), token_ids, token_logprobs
         ):
-            before = seq.num_computed_tokens
+            before = seq.num_computed_tokens  # through the step's last non-draft token
             num_emitted = self._emit(seq, ids[: num_accepted + 1], lps)
-            # KV is valid for the decode token and the accepted drafts among what was emitted.
-            seq.num_computed_tokens = before + num_emitted
+            # KV is valid for the accepted drafts among what was emitted, all but the last token.
+            seq.num_computed_tokens = before + max(num_emitted - 1, 0)
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
             self.block_manager.commit(seq, before)
-            is_prompt_end = before < seq.num_prompt_tokens  # a prompt's last token, then drafts
-            self.stats.num_prefill_tokens += int(is_prompt_end)
-            self.stats.num_decode_tokens += draft.num_tokens + 1 - int(is_prompt_end)
+            self.stats.num_decode_tokens += draft.num_tokens
             self.stats.num_draft_tokens += draft.num_tokens
             self.stats.num_accepted_tokens += num_accepted
             self._collect_if_finished(seq, done)

@@ -14,6 +14,10 @@ rows in a handful of vectorised integer operations instead of one ``torch.rand``
 
 Same seed, same draws, whatever else shares the step: a row's uniforms depend only on its own
 seed and how many it drew before.
+
+Draft-model speculation keys its draws by the output position instead (``position_uniforms``):
+the token at output index t has draws ``3t + k`` for its k-th purpose (the draft token, the
+acceptance test, the residual), whatever step or how many drafts produced it.
 """
 
 from __future__ import annotations
@@ -69,3 +73,17 @@ def draw_at(rngs: Sequence[SampleRNG], offsets: np.ndarray, num_drawn: Sequence[
     for r, num in zip(rngs, num_drawn):
         r.num_draws += num
     return counter_uniforms(seeds[:, None], starts[:, None] + offsets)
+
+
+# The purposes of a draft-model speculation draw at one output position (``position_uniforms``).
+DRAFT_DRAW, ACCEPT_DRAW, STOP_DRAW = 0, 1, 2
+_NUM_PURPOSES = 3
+
+
+def position_uniforms(rngs: Sequence[SampleRNG], positions: np.ndarray, purpose: int) -> torch.Tensor:
+    """``[M, K]`` uniforms of purpose ``purpose`` (``DRAFT_DRAW`` ...) for the output positions
+    ``positions`` (int ``[M, K]``) of streams rngs[i]: draw ``3 * position + purpose``, a pure
+    function of (seed, position, purpose). The streams do not advance."""
+    seeds = np.fromiter((r.seed & _SEED_MASK for r in rngs), dtype=np.uint64, count=len(rngs))
+    counters = np.asarray(positions, dtype=np.uint64) * np.uint64(_NUM_PURPOSES) + np.uint64(purpose)
+    return counter_uniforms(seeds[:, None], counters)

@@ -21,6 +21,16 @@ drafts it got (the step's budget and the free blocks decide that, so with the re
 neighbour in the batch shifted its random stream). Greedy rows accept ``d_i`` iff it is
 ``argmax p_i`` and emit ``argmax`` at the stop, so greedy output equals plain greedy decoding.
 
+A draft model's drafts are not point masses, and the rejection test above keeps its acceptance
+rate (``sum min(p, q)``, where the coupled test would get ``sum p q``). Its seeded samples are made
+independent of the batch another way: every token a sampled row emits passes the same test.
+Besides the ``n`` drafts it feeds the target, the draft model drafts one more token, for the position
+after them (the *tail*), which is tested against ``p_n`` and never fed: accepted, it is the step's
+last token; rejected, the residual is. So no token is a plain draw from ``p`` -- not the bonus, not
+the first token after a prompt, not one after a recompute -- and the token at output index ``t`` is
+the same function of ``p_t``, ``q_t`` and three uniforms keyed by (seed, t) (``position_uniforms``),
+however many drafts the step's budget allowed. The price is one more draft forward per step.
+
 ``p`` is ``process_logits`` of the request's sampling settings (the trainer's definition), so the
 reported log-probs are the target's, whatever proposed the tokens.
 """
@@ -35,7 +45,7 @@ import torch
 
 from tether.engine.attention import SeqSpan
 from tether.engine.config import EngineConfig
-from tether.engine.rng import draw_at, draw_uniforms
+from tether.engine.rng import ACCEPT_DRAW, DRAFT_DRAW, STOP_DRAW, draw_at, position_uniforms
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput
 from tether.engine.sampler import inverse_cdf, processed_logprobs
 from tether.engine.sequence import Sequence
@@ -45,13 +55,20 @@ from tether.errors import ConfigError
 
 @dataclass(slots=True)
 class Proposal:
-    token_ids: list[int]  # [n] draft tokens, n <= the slots the scheduler gave; may be empty
+    token_ids: list[int]  # [n] draft tokens fed to the target, n <= the slots the scheduler gave; may be empty
     # [n, V] the draft distributions q_i the tokens were drawn from; None: point masses (q_i(d_i) = 1)
     draft_probs: torch.Tensor | None = None
+    # [V] the draft's distribution for the token after the fed drafts (the module docstring's tail):
+    # the verifier draws a draft from it and tests it against the target's last row. None: no tail.
+    tail_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.token_ids and self.tail_probs is None
 
 
 class Proposer(Protocol):
@@ -106,7 +123,7 @@ class NgramProposer:
         self, seqs: list[Sequence], max_num_tokens: list[int], block_copies: list[tuple[int, int]]
     ) -> list[Proposal]:
         return [
-            Proposal(ngram_lookup(seq.token_ids, self.n_max, self.n_min, min(self.num_tokens, num)))
+            Proposal(ngram_lookup(seq.token_ids, self.n_max, self.n_min, min(self.num_tokens, num)) if num else [])
             for seq, num in zip(seqs, max_num_tokens)
         ]
 
@@ -123,6 +140,9 @@ class DraftModelProposer:
     how far the draft's KV is valid (it catches up lazily: a prompt is prefilled by the draft on its
     first proposal). Draft KV only steers proposals; acceptance uses the q each token was drawn from,
     so a stale or imprecise draft cache costs speed, never exactness.
+
+    Every sequence that samples (not greedy) gets a tail (module docstring), also with no slot for
+    fed drafts: at a prompt's end, or when the step's budget ran out.
     """
 
     def __init__(
@@ -138,15 +158,20 @@ class DraftModelProposer:
     ) -> list[Proposal]:
         self.runner.cache.copy_blocks(block_copies)  # keep the draft pool in step with the target's
         limits = [min(self.num_tokens, num) for num in max_num_tokens]
+        num_steps = [limit + (not seq.params.is_greedy) for seq, limit in zip(seqs, limits)]  # + the tail
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for j in range(max(limits, default=0)):
-            active = [i for i, limit in enumerate(limits) if limit > j]
+        tails: list[torch.Tensor | None] = [None] * len(seqs)
+        for j in range(max(num_steps, default=0)):
+            active = [i for i, num in enumerate(num_steps) if num > j]
             tokens, q = self._draft_step([seqs[i] for i in active], [drafts[i] for i in active])
             for row, i in enumerate(active):
-                drafts[i].append(tokens[row])
-                probs[i].append(q[row])
-        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+                if j < limits[i]:
+                    drafts[i].append(tokens[row])
+                    probs[i].append(q[row])
+                else:
+                    tails[i] = q[row]  # its token is drawn by the verifier, per sample of a group
+        return [Proposal(d, torch.stack(p) if p else None, t) for d, p, t in zip(drafts, probs, tails)]
 
     def _draft_step(self, seqs: list[Sequence], drafts: list[list[int]]) -> tuple[list[int], torch.Tensor]:
         """One draft forward: each sequence's uncomputed context (catch-up, then the previous draft)
@@ -171,7 +196,9 @@ class DraftModelProposer:
         logprobs = processed_logprobs(logits, [seq.params for seq in seqs])  # [S, V]
         q = logprobs.exp()
         is_greedy = torch.tensor([seq.params.is_greedy for seq in seqs], device=q.device)
-        sampled = inverse_cdf(q, draw_uniforms([seq.rng for seq in seqs])[:, 0].to(q.device))
+        positions = np.array([[seq.num_output_tokens + len(draft)] for seq, draft in zip(seqs, drafts)])
+        uniforms = position_uniforms([seq.rng for seq in seqs], positions, DRAFT_DRAW)[:, 0]
+        sampled = inverse_cdf(q, uniforms.to(q.device))
         tokens = torch.where(is_greedy, logprobs.argmax(dim=-1), sampled)  # [S]
         return tokens.tolist(), q
 
@@ -180,20 +207,22 @@ class DraftModelProposer:
 
 
 def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -> Verdict:
-    """Run the acceptance test for sequences that fed ``[x_L, d_1..d_n]`` to the target.
+    """Run the acceptance test for sequences that fed ``[.., x_L, d_1..d_n]`` to the target.
 
-    logits ``[sum(n_i + 1), V]``: each sequence's rows in order; ``drafts`` each non-empty.
+    logits ``[sum(n_i + 1), V]``: each sequence's rows in order (its last ``n_i + 1``); ``drafts``
+    each non-empty. Rows of a group may share logits rows and a proposal (a tail only).
     """
     k = max(p.num_tokens for p in drafts)
     device = logits.device
     logprobs = _pad_rows(processed_logprobs(logits, _repeat_params(seqs, drafts)), drafts, k)  # [S, K + 1, V]
-    draft_ids = torch.tensor([p.token_ids + [0] * (k - p.num_tokens) for p in drafts], device=device)
     num_drafts = torch.tensor([p.num_tokens for p in drafts], device=device)
     if all(seq.params.is_greedy for seq in seqs):  # the common eval case: no draws, no residuals
+        draft_ids = torch.tensor([p.token_ids + [0] * (k - p.num_tokens) for p in drafts], device=device)
         return accept_greedy(logprobs, draft_ids, num_drafts)
     is_greedy = torch.tensor([seq.params.is_greedy for seq in seqs], device=device)
-    draft_probs = _stack_draft_probs(drafts, k)
-    if draft_probs is None:  # point masses (prompt lookup): the coupled test, one draw per token
+    if all(p.draft_probs is None and p.tail_probs is None for p in drafts):
+        # Point masses (prompt lookup): the coupled test, one draw per token from the plain stream.
+        draft_ids = torch.tensor([p.token_ids + [0] * (k - p.num_tokens) for p in drafts], device=device)
         uniforms = draw_at([seq.rng for seq in seqs], np.tile(np.arange(k + 1, dtype=np.uint64), (len(seqs), 1)),
                            [0] * len(seqs))
         verdict = accept_coupled(logprobs, draft_ids, num_drafts, is_greedy, uniforms.to(device))
@@ -201,21 +230,47 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -
             if not seq.params.is_greedy:
                 seq.rng.num_draws += num_accepted + 1  # the draws of the tokens emitted, as plain steps
         return verdict
-    return accept_drafts(
-        logprobs, draft_ids, num_drafts, draft_probs, is_greedy, _draw_verify_uniforms(seqs, drafts, k).to(device)
-    )
+    draft_ids, draft_probs, has_tail = _stack_drafts(seqs, drafts, k)
+    # Output position t + j of each row: its acceptance draw and its stop draw (module docstring).
+    positions = np.array([seq.num_output_tokens for seq in seqs])[:, None] + np.arange(k + 1)  # [S, K + 1]
+    rngs = [seq.rng for seq in seqs]
+    uniforms = torch.stack(
+        [position_uniforms(rngs, positions, ACCEPT_DRAW), position_uniforms(rngs, positions, STOP_DRAW)], dim=-1
+    )  # [S, K + 1, 2]
+    return accept_drafts(logprobs, draft_ids, num_drafts, draft_probs, is_greedy, uniforms.to(device), has_tail)
 
 
-def _draw_verify_uniforms(seqs: list[Sequence], drafts: list[Proposal], k: int) -> torch.Tensor:
-    """[S, K + 1]: n_i acceptance draws then the stop draw (in column K), from each row's stream.
-
-    Exactly n_i + 1 draws per sequence, whatever the other rows' proposals: a seeded request's
-    sample does not depend on what shares its step.
-    """
-    # Column j < K is draw j (used for j < n_i); column K is draw n_i, the stop draw.
-    columns = np.tile(np.arange(k + 1, dtype=np.uint64), (len(seqs), 1))
-    columns[:, k] = [d.num_tokens for d in drafts]
-    return draw_at([seq.rng for seq in seqs], columns, [d.num_tokens + 1 for d in drafts])
+def _stack_drafts(
+    seqs: list[Sequence], drafts: list[Proposal], k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's fed drafts then its tail as ``[S, K + 1]`` ids (the tail drawn here, from the
+    row's own stream: a group's samples share a tail distribution, not a token), their
+    distributions ``[S, K + 1, V]`` (zero padding; point masses where a proposal has none) and
+    ``has_tail`` ``[S]``."""
+    probs = next(p.draft_probs if p.draft_probs is not None else p.tail_probs for p in drafts
+                 if p.draft_probs is not None or p.tail_probs is not None)  # fmt: skip
+    device, vocab_size = probs.device, probs.shape[-1]
+    draft_ids = torch.zeros(len(drafts), k + 1, dtype=torch.long, device=device)
+    draft_probs = torch.zeros(len(drafts), k + 1, vocab_size, dtype=probs.dtype, device=device)
+    for row, p in enumerate(drafts):
+        if p.num_tokens:
+            draft_ids[row, : p.num_tokens] = torch.tensor(p.token_ids, device=device)
+            if p.draft_probs is None:
+                draft_probs[row, torch.arange(p.num_tokens, device=device), draft_ids[row, : p.num_tokens]] = 1.0
+            else:
+                draft_probs[row, : p.num_tokens] = p.draft_probs
+    tail_rows = [row for row, p in enumerate(drafts) if p.tail_probs is not None]
+    has_tail = torch.zeros(len(drafts), dtype=torch.bool, device=device)
+    if tail_rows:
+        rows = torch.tensor(tail_rows, device=device)
+        columns = torch.tensor([drafts[row].num_tokens for row in tail_rows], device=device)
+        tail_probs = torch.stack([drafts[row].tail_probs for row in tail_rows])  # [T, V]
+        positions = np.array([[seqs[row].num_output_tokens + drafts[row].num_tokens] for row in tail_rows])
+        uniforms = position_uniforms([seqs[row].rng for row in tail_rows], positions, DRAFT_DRAW)[:, 0]
+        draft_ids[rows, columns] = inverse_cdf(tail_probs, uniforms.to(device))
+        draft_probs[rows, columns] = tail_probs
+        has_tail[rows] = True
+    return draft_ids, draft_probs, has_tail
 
 
 @dataclass(slots=True)
@@ -272,54 +327,48 @@ def accept_drafts(
     draft_probs: torch.Tensor,
     is_greedy: torch.Tensor,
     uniforms: torch.Tensor,
+    has_tail: torch.Tensor | None = None,
 ) -> Verdict:
-    """The acceptance test for S sequences at once (rows padded to K drafts).
+    """The acceptance test for S sequences at once (rows padded to K fed drafts).
 
     logprobs ``[S, K + 1, V]`` target log-probs (process_logits) at each draft position and after
-    the last; draft_ids ``[S, K]`` (padding: any id); num_drafts ``[S]`` >= 0; draft_probs
-    ``[S, K, V]`` q (point masses take ``accept_coupled``); is_greedy ``[S]`` bool; uniforms
-    ``[S, K + 1]`` in [0, 1): one per acceptance test, the last for the residual/bonus draw.
+    the last; draft_ids ``[S, K + 1]``: row s's ``num_drafts[s]`` fed drafts, then its tail draft
+    where ``has_tail[s]`` (padding: any id); draft_probs ``[S, K + 1, V]`` the q each was drawn
+    from (point masses take ``accept_coupled``); is_greedy ``[S]`` bool (greedy rows have no tail);
+    uniforms ``[S, K + 1, 2]`` in [0, 1): at each position, the acceptance draw and the stop draw.
+
+    A row tests its fed drafts then its tail; it emits the accepted prefix and then, at the first
+    rejection, a draw from the residual ``max(0, p - q)``; when every test passed, nothing more
+    with a tail (the tail was the last token) and a bonus draw from ``p_n`` without one.
+    ``Verdict.num_accepted`` counts the fed drafts accepted: row s emits it plus one token.
     """
     num_rows, num_positions, _ = logprobs.shape
     k = num_positions - 1
     rows = torch.arange(num_rows, device=logprobs.device)
+    if has_tail is None:
+        has_tail = torch.zeros_like(is_greedy)
+    num_tested = num_drafts + has_tail.long()  # [S] <= K + 1
     probs = logprobs.exp()  # [S, K + 1, V]
-    p_draft = probs[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)  # [S, K]
+    p_draft = probs.gather(-1, draft_ids[..., None]).squeeze(-1)  # [S, K + 1]
     q_draft = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)
     # u < p / q, written without the division: accepted with probability min(1, p / q).
-    is_accepted = uniforms[:, :k] * q_draft < p_draft  # [S, K]
-    is_greedy_hit = logprobs[:, :k].argmax(dim=-1) == draft_ids  # [S, K]
+    is_accepted = uniforms[..., 0] * q_draft < p_draft  # [S, K + 1]
+    is_greedy_hit = logprobs.argmax(dim=-1) == draft_ids  # [S, K + 1]
     is_accepted = torch.where(is_greedy[:, None], is_greedy_hit, is_accepted)
-    is_accepted &= torch.arange(k, device=logprobs.device)[None, :] < num_drafts[:, None]
-    num_accepted = is_accepted.long().cumprod(dim=-1).sum(dim=-1)  # [S] the accepted prefix
-    p_stop = probs[rows, num_accepted]  # [S, V] the target at the first rejection (or after all)
-    final = inverse_cdf(_stop_distribution(p_stop, draft_ids, num_accepted, num_drafts, draft_probs),
-                        uniforms[:, k])  # fmt: skip
-    final = torch.where(is_greedy, p_stop.argmax(dim=-1), final)  # [S]
-    token_ids = torch.cat([draft_ids, draft_ids.new_zeros(num_rows, 1)], dim=1)  # [S, K + 1]
-    token_ids[rows, num_accepted] = final
-    token_logprobs = logprobs.gather(-1, token_ids[..., None]).squeeze(-1)  # [S, K + 1]
-    return Verdict(token_ids, token_logprobs, num_accepted)
-
-
-def _stop_distribution(
-    p_stop: torch.Tensor,
-    draft_ids: torch.Tensor,
-    num_accepted: torch.Tensor,
-    num_drafts: torch.Tensor,
-    draft_probs: torch.Tensor,
-) -> torch.Tensor:
-    """[S, V] what the stop token is drawn from: the residual max(0, p - q) after a rejection,
-    p itself after all drafts passed (unnormalised: ``inverse_cdf`` scales by the row total)."""
-    num_rows, k = draft_ids.shape
-    if k == 0:
-        return p_stop
-    rows = torch.arange(num_rows, device=p_stop.device)
-    rejected_at = num_accepted.clamp(max=k - 1)  # [S]
-    residual = (p_stop - draft_probs[rows, rejected_at]).clamp(min=0.0)
+    is_accepted &= torch.arange(k + 1, device=logprobs.device)[None, :] < num_tested[:, None]
+    num_passed = is_accepted.long().cumprod(dim=-1).sum(dim=-1)  # [S] the accepted prefix, tail included
+    stop = num_passed.clamp(max=k)  # [S] the column of the residual or bonus draw
+    p_stop = probs[rows, stop]  # [S, V] the target at the first rejection (or after all)
+    residual = (p_stop - draft_probs[rows, stop]).clamp(min=0.0)
     # A rejection implies p(d) < q(d), so the residual has mass; rounding can still empty it.
-    is_residual = (num_accepted < num_drafts) & (residual.sum(dim=-1) > 0)  # [S]
-    return torch.where(is_residual[:, None], residual, p_stop)
+    is_residual = (num_passed < num_tested) & (residual.sum(dim=-1) > 0)  # [S]
+    final = inverse_cdf(torch.where(is_residual[:, None], residual, p_stop), uniforms[rows, stop, 1])
+    final = torch.where(is_greedy, p_stop.argmax(dim=-1), final)  # [S]
+    is_tail_emitted = has_tail & (num_passed == num_tested)  # its draft stands as the last token
+    token_ids = draft_ids.clone()
+    token_ids[rows, stop] = torch.where(is_tail_emitted, token_ids[rows, stop], final)
+    token_logprobs = logprobs.gather(-1, token_ids[..., None]).squeeze(-1)  # [S, K + 1]
+    return Verdict(token_ids, token_logprobs, torch.minimum(num_passed, num_drafts))
 
 
 def build_proposer(
@@ -369,15 +418,3 @@ def _pad_rows(logprobs: torch.Tensor, drafts: list[Proposal], k: int) -> torch.T
         row += p.num_tokens + 1
     padded = logprobs[torch.tensor(index, device=logprobs.device)]
     return padded.view(len(drafts), k + 1, -1)
-
-
-def _stack_draft_probs(drafts: list[Proposal], k: int) -> torch.Tensor | None:
-    """The draft distributions q as ``[S, K, V]`` (zero padding), or None when all are point masses."""
-    if all(p.draft_probs is None for p in drafts):
-        return None
-    first = next(p.draft_probs for p in drafts if p.draft_probs is not None)
-    out = first.new_zeros(len(drafts), k, first.shape[-1])
-    for row, p in enumerate(drafts):
-        if p.draft_probs is not None:
-            out[row, : p.num_tokens] = p.draft_probs
-    return out
