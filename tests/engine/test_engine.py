@@ -194,6 +194,26 @@ def test_logits_follow_an_lm_head_changed_in_place(qwen2_path):
     assert after.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
 
 
+def test_weights_loaded_outside_update_weights_are_not_served_from_the_prefix_cache(qwen2_path):
+    """``load_state_dict`` on the engine's model between steps: the prompt's cached KV was computed
+    under the old weights, so the next request must recompute it, as after ``update_weights``."""
+    engine = make_engine(qwen2_path)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    engine.generate([PROMPTS[2]], params)
+    assert engine.block_manager.num_cached_blocks > 0
+    state = {name: p * 1.3 if ".layers." in name else p for name, p in load_model(qwen2_path).state_dict().items()}
+    engine.model.load_state_dict(state)
+    hits = engine.stats.num_prefix_hit_tokens
+    after = engine.generate([PROMPTS[2]], params)[0]
+    assert engine.stats.num_prefix_hit_tokens == hits  # nothing computed under the old weights reused
+    fresh = make_engine(qwen2_path)
+    fresh.model.load_state_dict(state)
+    expected = fresh.generate([PROMPTS[2]], params)[0]
+    assert after.token_ids == expected.token_ids
+    assert after.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+    assert after.versions == [0] * 6  # no update_weights: the version stays
+
+
 def test_recompute_kv_on_update_matches_a_fresh_run(qwen2_path):
     engine = make_engine(qwen2_path, recompute_kv_on_update=True)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)

@@ -110,6 +110,9 @@ class LLMEngine:
         self._next_seq_id = 0
         self._seed_rng = random.Random(config.seed)  # seeds for requests without their own
         self._has_nonfinite_logits = False  # a step saw NaN/inf logits: the next update clears the KV
+        # The weights the KV (prefix cache, sequences in flight) was computed with, as of the last
+        # update_weights: a step that finds them changed otherwise treats it as an update.
+        self._weights_signature = self.runner.weights_signature()
 
     # ------------------------------------------------------------------ requests
 
@@ -167,6 +170,8 @@ class LLMEngine:
     def step(self) -> list[Completion]:
         """Run one scheduling step; returns the completions that finished in it."""
         done, self._done = self._done, []
+        if self.runner.weights_signature() != self._weights_signature:
+            self._on_new_weights()  # changed outside update_weights (load_state_dict, an optimizer step)
         out = self.scheduler.schedule()
         self.stats.num_preemptions += out.num_preempted
         self.stats.num_prefix_hit_tokens += out.num_prefix_hit_tokens
@@ -352,10 +357,18 @@ class LLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights into the model in place; tokens sampled from now on carry ``version``.
 
-        Call between steps, from the thread that steps the engine.
+        Call between steps, from the thread that steps the engine. Weights changed in place by other
+        means (``load_state_dict``, an optimizer step on the engine's model) are found at the next
+        step and treated the same way, without a new version; writes through ``.data`` are not.
         """
         self.runner.load_weights(named_tensors)
         self.policy_version = version
+        self._on_new_weights()
+
+    def _on_new_weights(self) -> None:
+        """KV computed under the old weights: none is reused by a new prompt; the sequences in flight
+        keep theirs or recompute it (``EngineConfig.recompute_kv_on_update``)."""
+        self._weights_signature = self.runner.weights_signature()
         self.block_manager.flush_prefix_cache()
         if self._has_nonfinite_logits:
             # KV computed under weights that gave NaN/inf is garbage: recompute everything in flight
