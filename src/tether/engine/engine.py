@@ -239,14 +239,7 @@ class LLMEngine:
     def _sample_and_finish(self, logits: torch.Tensor, samplers: list[Sequence]) -> list[Completion]:
         if not samplers:
             return []  # a step of prefill chunks only
-        # A leader finishing its prompt samples for its whole group from the same logits row.
-        rows, seqs = [], []
-        for row, seq in enumerate(samplers):
-            group = [seq, *self.scheduler.fork(seq)] if seq.followers else [seq]
-            rows.extend([row] * len(group))
-            seqs.extend(group)
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]  # [N', V]
+        seqs, _, logits = self._with_groups(samplers, [1] * len(samplers), logits)
         # These rows of the step's logits are read by nothing else: sampled in place.
         result = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs], may_overwrite=True)
         done: list[Completion] = []
@@ -262,17 +255,10 @@ class LLMEngine:
         """logits ``[sum(n_i + 1), V]``: accept each verifier's drafts, emit, roll back the rest."""
         if not verifiers:
             return []
-        # A leader ending its prompt (a tail only) verifies for its whole group from the same row.
-        seqs, drafts, rows, row = [], [], [], 0
-        for seq in verifiers:
-            proposal = proposals[seq.seq_id]
-            for member in [seq, *self.scheduler.fork(seq)] if seq.followers else [seq]:
-                seqs.append(member)
-                drafts.append(proposal)
-                rows.extend(range(row, row + proposal.num_tokens + 1))
-            row += proposal.num_tokens + 1
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
+        # A leader ending its prompt has a tail only: its group shares its row and proposal.
+        num_rows = [proposals[seq.seq_id].num_tokens + 1 for seq in verifiers]
+        seqs, origins, logits = self._with_groups(verifiers, num_rows, logits)
+        drafts = [proposals[verifiers[i].seq_id] for i in origins]
         verdict = verify(logits, seqs, drafts)
         # The step's one host sync for the verifiers.
         token_ids, token_logprobs = verdict.token_ids.tolist(), verdict.logprobs.tolist()
@@ -292,6 +278,23 @@ class LLMEngine:
             self._collect_if_finished(seq, done)
         self.scheduler.remove_finished()
         return done
+
+    def _with_groups(
+        self, seqs: list[Sequence], num_rows: list[int], logits: torch.Tensor
+    ) -> tuple[list[Sequence], list[int], torch.Tensor]:
+        """``seqs`` with the followers of each leader that just finished its prompt forked in after
+        it, each member's index in ``seqs``, and ``logits`` (``sum(num_rows)`` rows, ``num_rows[i]``
+        for ``seqs[i]``) with a leader's rows repeated for each of its followers."""
+        members, origins, rows, start = [], [], [], 0
+        for i, (seq, num) in enumerate(zip(seqs, num_rows)):
+            group = [seq, *self.scheduler.fork(seq)] if seq.followers else [seq]
+            members.extend(group)
+            origins.extend([i] * len(group))
+            rows.extend(list(range(start, start + num)) * len(group))
+            start += num
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return members, origins, logits
 
     def _collect_if_finished(self, seq: Sequence, done: list[Completion]) -> None:
         if seq.is_finished:

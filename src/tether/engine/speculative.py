@@ -216,13 +216,13 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -
     device = logits.device
     logprobs = _pad_rows(processed_logprobs(logits, _repeat_params(seqs, drafts)), drafts, k)  # [S, K + 1, V]
     num_drafts = torch.tensor([p.num_tokens for p in drafts], device=device)
+    draft_ids = torch.tensor([p.token_ids + [0] * (k - p.num_tokens) for p in drafts], dtype=torch.long,
+                             device=device)  # [S, K]: K may be 0 (tails only)
     if all(seq.params.is_greedy for seq in seqs):  # the common eval case: no draws, no residuals
-        draft_ids = torch.tensor([p.token_ids + [0] * (k - p.num_tokens) for p in drafts], device=device)
         return accept_greedy(logprobs, draft_ids, num_drafts)
     is_greedy = torch.tensor([seq.params.is_greedy for seq in seqs], device=device)
     if all(p.draft_probs is None and p.tail_probs is None for p in drafts):
         # Point masses (prompt lookup): the coupled test, one draw per token from the plain stream.
-        draft_ids = torch.tensor([p.token_ids + [0] * (k - p.num_tokens) for p in drafts], device=device)
         uniforms = draw_at([seq.rng for seq in seqs], np.tile(np.arange(k + 1, dtype=np.uint64), (len(seqs), 1)),
                            [0] * len(seqs))
         verdict = accept_coupled(logprobs, draft_ids, num_drafts, is_greedy, uniforms.to(device))
@@ -230,7 +230,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -
             if not seq.params.is_greedy:
                 seq.rng.num_draws += num_accepted + 1  # the draws of the tokens emitted, as plain steps
         return verdict
-    draft_ids, draft_probs, has_tail = _stack_drafts(seqs, drafts, k)
+    draft_ids, draft_probs, has_tail = _with_tails(seqs, drafts, draft_ids, logprobs.new_zeros(logprobs.shape))
     # Output position t + j of each row: its acceptance draw and its stop draw (module docstring).
     positions = np.array([seq.num_output_tokens for seq in seqs])[:, None] + np.arange(k + 1)  # [S, K + 1]
     rngs = [seq.rng for seq in seqs]
@@ -240,25 +240,18 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -
     return accept_drafts(logprobs, draft_ids, num_drafts, draft_probs, is_greedy, uniforms.to(device), has_tail)
 
 
-def _stack_drafts(
-    seqs: list[Sequence], drafts: list[Proposal], k: int
+def _with_tails(
+    seqs: list[Sequence], drafts: list[Proposal], draft_ids: torch.Tensor, draft_probs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's fed drafts then its tail as ``[S, K + 1]`` ids (the tail drawn here, from the
-    row's own stream: a group's samples share a tail distribution, not a token), their
-    distributions ``[S, K + 1, V]`` (zero padding; point masses where a proposal has none) and
-    ``has_tail`` ``[S]``."""
-    probs = next(p.draft_probs if p.draft_probs is not None else p.tail_probs for p in drafts
-                 if p.draft_probs is not None or p.tail_probs is not None)  # fmt: skip
-    device, vocab_size = probs.device, probs.shape[-1]
-    draft_ids = torch.zeros(len(drafts), k + 1, dtype=torch.long, device=device)
-    draft_probs = torch.zeros(len(drafts), k + 1, vocab_size, dtype=probs.dtype, device=device)
+    """A draft model's proposals as the acceptance test reads them: ``draft_ids`` ``[S, K]`` (the fed
+    drafts, padded) with each row's tail after its fed drafts, drawn here from the row's own stream
+    (a group's samples share a tail distribution, not a token), as ``[S, K + 1]``; ``draft_probs``
+    (zeros ``[S, K + 1, V]``) filled with the distributions each was drawn from; ``has_tail`` ``[S]``."""
+    device = draft_ids.device
+    draft_ids = torch.cat([draft_ids, draft_ids.new_zeros(len(drafts), 1)], dim=1)  # [S, K + 1]
     for row, p in enumerate(drafts):
-        if p.num_tokens:
-            draft_ids[row, : p.num_tokens] = torch.tensor(p.token_ids, device=device)
-            if p.draft_probs is None:
-                draft_probs[row, torch.arange(p.num_tokens, device=device), draft_ids[row, : p.num_tokens]] = 1.0
-            else:
-                draft_probs[row, : p.num_tokens] = p.draft_probs
+        if p.draft_probs is not None:
+            draft_probs[row, : p.num_tokens] = p.draft_probs
     tail_rows = [row for row, p in enumerate(drafts) if p.tail_probs is not None]
     has_tail = torch.zeros(len(drafts), dtype=torch.bool, device=device)
     if tail_rows:
