@@ -23,7 +23,6 @@ tested against the row's logits, so that every token of a seeded sample passes t
 from __future__ import annotations
 
 import math
-import operator
 import random
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceLike
@@ -34,6 +33,7 @@ import torch
 from tether.engine.attention import SeqSpan
 from tether.engine.block_manager import BlockManager
 from tether.engine.config import EngineConfig
+from tether.engine.requests import prompt_token_ids, request_error, resolve_max_model_len
 from tether.engine.rng import SampleRNG
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput, num_kv_blocks_for
 from tether.engine.sampler import Detokenizer, Sampler, finish_reason
@@ -41,7 +41,7 @@ from tether.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tether.engine.sequence import Sequence, sample_seed
 from tether.engine.speculative import Proposal, build_proposer, verify
 from tether.engine.types import Completion, SamplingParams
-from tether.errors import ConfigError, RequestError
+from tether.errors import RequestError
 
 
 @dataclass(slots=True)
@@ -125,9 +125,13 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         request_id = self._next_request_id
         self._next_request_id += 1
-        prompt, error = _token_ids(prompt_ids)
+        prompt, error = prompt_token_ids(prompt_ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        error = error or self._check_request(prompt, params)
+        error = error or request_error(
+            prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            block_size=self.config.block_size, num_blocks=self.block_manager.num_blocks,
+            has_tokenizer=self.tokenizer is not None,
+        )  # fmt: skip
         if error is not None:
             message = f"request {request_id}: {error}"
             self._done.extend(
@@ -403,63 +407,7 @@ class LLMEngine:
             seq_id, request_id, sample_index, list(prompt), len(prompt), params, stop_ids, rng
         )
 
-    def _check_request(self, prompt: list[int], params: SamplingParams) -> str | None:
-        """Why the engine cannot serve this request, as one line; None when it can."""
-        if not prompt:
-            return "the prompt is empty"
-        low, high = min(prompt), max(prompt)
-        if low < 0 or high >= self.vocab_size:
-            bad = low if low < 0 else high
-            position = prompt.index(bad)
-            return f"token id {bad} at position {position} is not in the vocabulary [0, {self.vocab_size})"
-        if len(prompt) >= self.max_model_len:
-            return f"the prompt has {len(prompt)} tokens; max_model_len={self.max_model_len} leaves no room"
-        if params.stop_strings and self.tokenizer is None:
-            return "stop_strings need a tokenizer: pass tokenizer= to LLMEngine"
-        if any(not s for s in params.stop_strings):
-            return "stop_strings contains an empty string"
-        # The last token is sampled, never run through the model: it needs no KV.
-        num_kv_tokens = min(len(prompt) + params.max_new_tokens, self.max_model_len) - 1
-        num_blocks = -(-num_kv_tokens // self.config.block_size)
-        if num_blocks > self.block_manager.num_blocks:
-            return (
-                f"the KV of up to {num_kv_tokens} tokens needs {num_blocks} KV blocks, "
-                f"the pool has {self.block_manager.num_blocks}"
-            )
-        return None
-
     def _forget_if_done(self, request_id: int) -> None:
         seqs = self._requests.get(request_id)
         if seqs is not None and all(seq.is_finished for seq in seqs):
             del self._requests[request_id]
-
-
-def _token_ids(prompt_ids: SequenceLike[int]) -> tuple[list[int], str | None]:
-    """The prompt as a list of ints, or why it is not one (a float or None among the ids: no
-    silent truncation of 6.9 to 6)."""
-    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
-        return [], f"the prompt is {type(prompt_ids).__name__}, not a sequence of token ids"
-    prompt = []
-    for position, token in enumerate(prompt_ids):
-        try:
-            prompt.append(operator.index(token))
-        except TypeError:
-            return [], f"the token at position {position} is {token!r}, not an integer token id"
-    return prompt, None
-
-
-def resolve_max_model_len(config: EngineConfig, max_positions: int) -> int:
-    """Prompt + completion tokens a sequence may hold: ``config.max_model_len``, else the model's
-    ``max_positions``; a ConfigError when that cannot work."""
-    max_model_len = config.max_model_len if config.max_model_len is not None else max_positions
-    if max_model_len > max_positions:
-        raise ConfigError(
-            f"engine.max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-            f"{max_positions}"
-        )
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-        raise ConfigError(
-            f"engine.max_num_batched_tokens={config.max_num_batched_tokens} must be >= max_model_len="
-            f"{max_model_len} when enable_chunked_prefill is false (a whole prompt runs in one step)"
-        )
-    return max_model_len

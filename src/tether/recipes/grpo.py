@@ -34,7 +34,7 @@ from tether.data.cursor import DataCursor
 from tether.data.records import PromptRecord
 from tether.data.tokenize import tokenize_prompt
 from tether.engine.config import EngineConfig
-from tether.engine.engine import resolve_max_model_len
+from tether.engine.requests import resolve_max_model_len
 from tether.engine.types import SamplingParams
 from tether.errors import DataError
 from tether.metrics import MetricsWriter
