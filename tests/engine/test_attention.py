@@ -46,7 +46,7 @@ def test_mixed_prefill_and_decode_step_matches_reference(window, is_native):
     cache = KVCache.allocate(
         1, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")
     )
-    free = torch.randperm(num_blocks).tolist()  # scattered blocks, as after a while of serving
+    free = (torch.randperm(num_blocks - 1) + 1).tolist()  # scattered blocks, as after a while of serving
     spans, full_k, full_v = [], [], []
     for cached, num_new in layout:
         total = cached + num_new
@@ -58,7 +58,11 @@ def test_mixed_prefill_and_decode_step_matches_reference(window, is_native):
         spans.append(SeqSpan(cached, num_new, table))
         full_k.append(k)
         full_v.append(v)
-    meta = build_step_metadata(spans, BLOCK_SIZE, window, torch.float32, torch.device("cpu"))
+    # Blocks no sequence owns hold NaN (KV a failed sequence left behind): padded reads must not
+    # touch them, or a zero attention weight times NaN poisons every row of the group.
+    cache.k[:, [0, *free]] = float("nan")
+    cache.v[:, [0, *free]] = float("nan")
+    meta = build_step_metadata(spans, BLOCK_SIZE, window, torch.float32, torch.device("cpu"), cache.pad_block)
     assert len(meta.groups) >= 3  # decodes were split by length, plus the prefill group
     num_tokens = sum(n for _, n in layout)
     q = torch.randn(1, num_tokens, NUM_Q_HEADS, HEAD_DIM)

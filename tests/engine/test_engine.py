@@ -13,6 +13,7 @@ from helpers.reference import assert_same_completions, full_forward_logprobs
 from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
 from tether.errors import CheckpointError, ConfigError
 from tether.models import build_char_tokenizer, load_model
+from tether.training.optim import build_optimizer
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42], [44]]
 SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, max_new_tokens=10, seed=1234, n=2)
@@ -194,20 +195,30 @@ def test_logits_follow_an_lm_head_changed_in_place(qwen2_path):
     assert after.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
 
 
-def test_weights_loaded_outside_update_weights_are_not_served_from_the_prefix_cache(qwen2_path):
-    """``load_state_dict`` on the engine's model between steps: the prompt's cached KV was computed
-    under the old weights, so the next request must recompute it, as after ``update_weights``."""
+@pytest.mark.parametrize("change", ["load_state_dict", "optimizer_step"])
+def test_weights_changed_outside_update_weights_are_not_served_from_the_prefix_cache(qwen2_path, change):
+    """``load_state_dict``, or a step of tether's optimizer (torch's fused AdamW, which leaves the
+    parameters' version counters alone), on the engine's model between steps: the prompt's cached KV
+    was computed under the old weights, so the next request must recompute it, as after
+    ``update_weights``."""
     engine = make_engine(qwen2_path)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     engine.generate([PROMPTS[2]], params)
     assert engine.block_manager.num_cached_blocks > 0
-    state = {name: p * 1.3 if ".layers." in name else p for name, p in load_model(qwen2_path).state_dict().items()}
-    engine.model.load_state_dict(state)
+    if change == "load_state_dict":
+        state = {name: p * 1.3 if ".layers." in name else p for name, p in load_model(qwen2_path).state_dict().items()}
+        engine.model.load_state_dict(state)
+    else:
+        optimizer = build_optimizer(engine.model.parameters(), lr=0.05)
+        generator = torch.Generator().manual_seed(0)
+        for p in engine.model.parameters():
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
     hits = engine.stats.num_prefix_hit_tokens
     after = engine.generate([PROMPTS[2]], params)[0]
     assert engine.stats.num_prefix_hit_tokens == hits  # nothing computed under the old weights reused
     fresh = make_engine(qwen2_path)
-    fresh.model.load_state_dict(state)
+    fresh.update_weights([(name, p.detach().clone()) for name, p in engine.model.named_parameters()], version=0)
     expected = fresh.generate([PROMPTS[2]], params)[0]
     assert after.token_ids == expected.token_ids
     assert after.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
@@ -315,13 +326,16 @@ def test_sliding_window_matches_transformers(tmp_path):
 def test_pool_sized_from_a_byte_budget(qwen2_path):
     model = load_model(qwen2_path)
     # 2 layers x 2 KV heads x head_dim 16 x fp32, k and v: 512 bytes per token, 2 KiB per block of 4
-    # in the pool, and as much again for the contiguous decode copies: 4 KiB of budget per block.
-    engine = LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=10 * 4096 + 100))
+    # in the pool, and as much again for the contiguous decode copies: 4 KiB of budget per block,
+    # and 2 KiB for the pool's pad block.
+    engine = LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=10 * 4096 + 2048 + 100))
     assert engine.block_manager.num_blocks == 10
-    assert tuple(engine.runner.cache.k.shape) == (2, 10, 4, 2, 16)
+    assert tuple(engine.runner.cache.k.shape) == (2, 10 + 1, 4, 2, 16)  # + the pad block
     assert engine.runner.decode_kv.max_tokens == 10 * 4  # the copies never outgrow the pool
+    short = LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=10 * 4096 + 2047))
+    assert short.block_manager.num_blocks == 9
     # A draft model's KV (same number of blocks) comes out of the same budget.
-    drafted = LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=10 * 8192 + 100,
+    drafted = LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=10 * 8192 + 4096 + 100,
                                                    speculative="draft"), draft_model=load_model(qwen2_path))
     assert drafted.block_manager.num_blocks == 10
 
@@ -395,9 +409,40 @@ def test_a_failed_update_leaves_weights_version_and_prefix_cache_as_they_were(qw
     assert again.token_ids == before.token_ids and again.versions == [0] * 6
 
 
+@pytest.mark.parametrize("native_attention", [True, False])
+def test_a_sequence_whose_kv_turns_non_finite_fails_alone(qwen2_path, native_attention):
+    """Weights that overflow on one token only (its embedding is inf): the prompts holding it fail,
+    and the others finish as on a clean engine, in the same steps (padded reads never touch its
+    blocks) and afterwards, on blocks and decode copies it used (zeroed once its logits failed)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3, n=3)
+    bad = [5, 6, 7, 8, 99, 9, 10, 11, 12, 13]  # its first block is finite and shared with `healthy`
+    healthy = [[5, 6, 7, 8, 20, 21], PROMPTS[1], PROMPTS[2]]
+
+    def engine(**overrides) -> LLMEngine:
+        model = load_model(qwen2_path)
+        with torch.no_grad():
+            model.model.embed_tokens.weight[99] = float("inf")
+        config = EngineConfig(num_kv_blocks=16, block_size=4, cpu_native_attention=native_attention, **overrides)
+        return LLMEngine(model, config=config)
+
+    reference = engine().generate(healthy, [params, params, sampled])
+    mixed = engine().generate([healthy[0], bad, healthy[1], bad, healthy[2]],
+                              [params, params, params, sampled, sampled])
+    assert [c.finish_reason for c in mixed[1:2] + mixed[3:6]] == ["error"] * 4
+    assert all("not finite" in c.error for c in mixed[1:2] + mixed[3:6])
+    assert_same_completions([mixed[0], mixed[2], *mixed[6:]], reference)
+    for prefix_caching in (True, False):
+        reused = engine(enable_prefix_caching=prefix_caching)
+        assert [c.finish_reason for c in reused.generate([bad], sampled)] == ["error"] * 3
+        assert reused.block_manager.num_free_blocks == reused.block_manager.num_blocks
+        assert reused.runner.cache.nonfinite_blocks() == []
+        assert_same_completions(reused.generate(healthy, [params, params, sampled]), reference)
+
+
 def test_non_finite_logits_fail_their_sequences_and_a_good_update_recovers(qwen2_path):
     """Weights gone NaN (a diverged run) fail the sequences they produce logits for, one line each,
-    instead of raising out of the step; the next update recomputes everything on a zeroed pool."""
+    instead of raising out of the step; the NaN KV they leave is zeroed, and a good update recovers."""
     engine = make_engine(qwen2_path, num_kv_blocks=4)  # every block is reused, NaN KV or not
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     sampled = SamplingParams(temperature=1.0, max_new_tokens=6, seed=5, n=2)

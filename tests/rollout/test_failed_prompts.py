@@ -50,7 +50,7 @@ def test_a_group_the_engine_fails_is_left_out_and_counted(tmp_path, tiny_policy,
     the engine: its group is dropped, counted, reported once; the other groups train."""
     model, tokenizer = tiny_policy
     path = _prompts_file(tmp_path, [*SHORT, "3" * 55])  # 56 tokens + 5 new: 4 blocks > 3
-    config = _config(path, "engine.kv_cache_bytes=12288", "data.num_train=6",
+    config = _config(path, "engine.kv_cache_bytes=14336", "data.num_train=6",
                      "rollout.prompts_per_step=6", "rollout.max_new_tokens=5")
     if mode == "sync":
         result = run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
@@ -78,7 +78,7 @@ def test_a_run_whose_every_prompt_fails_stops_with_one_line(tmp_path, tiny_polic
     (nor, in the async driver, a 10-minute wait for a group that never comes)."""
     model, tokenizer = tiny_policy
     path = _prompts_file(tmp_path, ["3" * 55, "4" * 55])  # inside the context, never in a 3-block pool
-    config = _config(path, "engine.kv_cache_bytes=12288", "rollout.prompts_per_step=2", driver)
+    config = _config(path, "engine.kv_cache_bytes=14336", "rollout.prompts_per_step=2", driver)
     with pytest.raises(RequestError, match=message):
         run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
 

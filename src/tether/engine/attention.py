@@ -42,7 +42,7 @@ class AttentionGroup:
     """Sequences attended by one SDPA call per layer (S rows, queries padded to Tq, keys to Lk)."""
 
     query_index: torch.Tensor  # [S, Tq] position of each query in the step; padding repeats a real one
-    block_ids: torch.Tensor  # [S * Nb] block tables, flattened, padded with block 0; Lk = Nb * block_size
+    block_ids: torch.Tensor  # [S * Nb] block tables, flattened, padded with the pool's pad block; Lk = Nb * block_size
     mask: torch.Tensor  # [S, 1, Tq, Lk] additive float mask (0 or -inf)
     window_mask: torch.Tensor | None  # the same with the sliding window applied, if the model has one
     out_index: torch.Tensor  # [M] step positions of the real queries
@@ -83,12 +83,14 @@ def build_step_metadata(
     sliding_window: int | None,
     dtype: torch.dtype,
     device: torch.device,
+    pad_block: int,
     decode_kv_rows: list[int] | None = None,
 ) -> StepMetadata:
     """Slot mapping and attention groups for a step computing ``spans`` (in step order).
 
     ``decode_kv_rows``: the decode rows in ``DecodeKV`` slot order (``DecodeKV.assign``); they form
-    one group read from those contiguous copies instead of gathered from the pool.
+    one group read from those contiguous copies instead of gathered from the pool. ``pad_block``:
+    the block that pads shorter block tables (``KVCache.pad_block``).
     """
     offsets, slots = [], []
     offset = 0
@@ -104,7 +106,8 @@ def build_step_metadata(
         decode_groups = _split_by_length(decode_rows, spans, _MAX_SPLITS)
     groups = [
         _build_group(
-            [spans[i] for i in rows], [offsets[i] for i in rows], block_size, sliding_window, dtype, device
+            [spans[i] for i in rows], [offsets[i] for i in rows], block_size, sliding_window, dtype, device,
+            pad_block,
         )
         for rows in decode_groups + _split_by_length(prefill_rows, spans, _MAX_SPLITS)
     ]
@@ -166,9 +169,10 @@ def _build_group(
     window: int | None,
     dtype: torch.dtype,
     device: torch.device,
+    pad_block: int,
 ) -> AttentionGroup:
     num_blocks = max(-(-(s.start + s.num_new) // block_size) for s in spans)
-    tables = [s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table)) for s in spans]
+    tables = [s.block_table[:num_blocks] + [pad_block] * (num_blocks - len(s.block_table)) for s in spans]
     block_ids = torch.tensor(tables, dtype=torch.long, device=device).view(-1)  # [S * Nb]
     start = torch.tensor([s.start for s in spans], device=device)  # [S]
     num_new = torch.tensor([s.num_new for s in spans], device=device)  # [S]

@@ -160,6 +160,14 @@ class BlockManager:
             block.parent_hash = None
             block.token_ids = ()
 
+    def forget(self, block_ids: list[int]) -> None:
+        """Take ``block_ids`` out of the prefix cache (their KV must not be reused)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.hash is not None and self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies queued by copy-on-write since the last call."""
         copies, self._pending_copies = self._pending_copies, []

@@ -249,15 +249,27 @@ def _key(weight: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _sample(weight: torch.Tensor) -> torch.Tensor:
-    """``NUM_SAMPLES`` entries spread over the weight's storage, as a view (reads current values). The
-    weight is a matrix or its transpose, so its storage span is its ``numel`` entries; the stride is
-    coprime with both dimensions, so the samples fall in as many distinct rows and columns as they
-    can (a stride that divides a row's length would sample a handful of rows only)."""
-    num_rows, num_cols = weight.shape
-    stride = max(1, (weight.numel() - 1) // (NUM_SAMPLES - 1))
-    while stride > 1 and (math.gcd(stride, num_rows) > 1 or math.gcd(stride, num_cols) > 1):
+    """``NUM_SAMPLES`` entries of a weight oneDNN serves (``sample_view``; such a weight has that many)."""
+    view = sample_view(weight, NUM_SAMPLES)
+    assert view is not None and view.numel() == NUM_SAMPLES
+    return view
+
+
+def sample_view(tensor: torch.Tensor, num: int) -> torch.Tensor | None:
+    """Up to ``num`` entries spread over a densely stored tensor's storage, as a view (it reads the
+    current values), or None for other layouts. Dense: contiguous, or a matrix's transpose, so the
+    storage span is ``numel`` entries. The stride is coprime with a matrix's dimensions, so the
+    samples fall in as many distinct rows and columns as they can (a stride that divides a row's
+    length would sample a handful of rows only)."""
+    is_dense = tensor.is_contiguous() or (tensor.dim() == 2 and tensor.t().is_contiguous())
+    if not is_dense or tensor.numel() == 0:
+        return None
+    count = min(num, tensor.numel())
+    stride = max(1, (tensor.numel() - 1) // max(count - 1, 1))
+    dims = tensor.shape if tensor.dim() == 2 else ()
+    while stride > 1 and any(math.gcd(stride, size) > 1 for size in dims):
         stride -= 1
-    return weight.detach().as_strided((NUM_SAMPLES,), (stride,), weight.storage_offset())
+    return tensor.detach().as_strided((count,), (stride,), tensor.storage_offset())
 
 
 def pack_linears(model: nn.Module, is_lm_head_packed: bool, layer_mode: str) -> PackedWeights:

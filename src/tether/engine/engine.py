@@ -109,10 +109,7 @@ class LLMEngine:
         self._next_request_id = 0
         self._next_seq_id = 0
         self._seed_rng = random.Random(config.seed)  # seeds for requests without their own
-        self._has_nonfinite_logits = False  # a step saw NaN/inf logits: the next update clears the KV
-        # The weights the KV (prefix cache, sequences in flight) was computed with, as of the last
-        # update_weights: a step that finds them changed otherwise treats it as an update.
-        self._weights_signature = self.runner.weights_signature()
+        self._is_kv_scrub_due = False  # a step saw NaN/inf logits: _scrub_nonfinite_kv at its end
 
     # ------------------------------------------------------------------ requests
 
@@ -174,7 +171,7 @@ class LLMEngine:
     def step(self) -> list[Completion]:
         """Run one scheduling step; returns the completions that finished in it."""
         done, self._done = self._done, []
-        if self.runner.weights_signature() != self._weights_signature:
+        if self.runner.weights.changed():
             self._on_new_weights()  # changed outside update_weights (load_state_dict, an optimizer step)
         out = self.scheduler.schedule()
         self.stats.num_preemptions += out.num_preempted
@@ -187,6 +184,8 @@ class LLMEngine:
         self._advance(out.scheduled)  # drafts count once accepted (_verify_and_finish)
         done.extend(self._sample_and_finish(logits[: len(samplers)], samplers))
         done.extend(self._verify_and_finish(logits[len(samplers) :], verifiers, proposals))
+        if self._is_kv_scrub_due:
+            done.extend(self._scrub_nonfinite_kv())
         self.stats.num_steps += 1
         return done
 
@@ -309,7 +308,7 @@ class LLMEngine:
         """Append tokens until one finishes ``seq`` (stop token/string, length); returns how many."""
         for num_emitted, (token_id, logprob) in enumerate(zip(token_ids, logprobs), start=1):
             if not math.isfinite(logprob):  # NaN/inf logits (diverged weights): fail this sequence only
-                self._has_nonfinite_logits = True
+                self._is_kv_scrub_due = True
                 seq.finish("error", f"request {seq.request_id}: the model's logits are not finite (NaN or "
                            f"inf) at generated token {seq.num_output_tokens}")
                 return num_emitted - 1
@@ -320,6 +319,32 @@ class LLMEngine:
                 seq.finish(reason)
                 return num_emitted
         return len(token_ids)
+
+    def _scrub_nonfinite_kv(self) -> list[Completion]:
+        """After a sequence failed on non-finite logits, no NaN/inf key or value is read again.
+
+        Masked and padded reads multiply stale slots by a zero attention weight, and NaN * 0 is NaN:
+        a sequence that next owned one of its blocks (or a decode copy's slot) would fail too.
+        Running sequences that hold such a block fail (their context is garbage), with their
+        unforked samples; the blocks leave the prefix cache and are zeroed; every decode copy is
+        dropped and gathered again from the pool. A scan of the pool: only when logits went bad.
+        """
+        self._is_kv_scrub_due = False
+        bad = self.runner.cache.nonfinite_blocks()
+        done: list[Completion] = []
+        for seq in list(self.scheduler.running):
+            if seq.is_finished or set(seq.block_table).isdisjoint(bad):
+                continue
+            for member in [seq, *seq.followers]:
+                member.finish("error", f"request {seq.request_id}: its KV cache holds non-finite values (NaN or "
+                              "inf), computed from this context by the current weights")
+                self._collect_if_finished(member, done)
+            seq.followers = []
+        self.scheduler.remove_finished()
+        self.block_manager.forget(bad)
+        self.runner.cache.zero_blocks(bad)
+        self.runner.decode_kv.zero_()
+        return done
 
     # ------------------------------------------------------------------ batch API
 
@@ -375,15 +400,9 @@ class LLMEngine:
     def _on_new_weights(self) -> None:
         """KV computed under the old weights: none is reused by a new prompt; the sequences in flight
         keep theirs or recompute it (``EngineConfig.recompute_kv_on_update``)."""
-        self._weights_signature = self.runner.weights_signature()
+        self.runner.weights.mark()
         self.block_manager.flush_prefix_cache()
-        if self._has_nonfinite_logits:
-            # KV computed under weights that gave NaN/inf is garbage: recompute everything in flight
-            # from a zeroed pool (padded reads multiply stale slots by zero, and NaN * 0 is NaN).
-            self._has_nonfinite_logits = False
-            self.stats.num_preemptions += self.scheduler.preempt_all()
-            self.runner.zero_kv()
-        elif self.config.recompute_kv_on_update:
+        if self.config.recompute_kv_on_update:
             self.stats.num_preemptions += self.scheduler.preempt_all()
         else:
             for seq in self.scheduler.running:

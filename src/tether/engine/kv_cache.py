@@ -45,7 +45,8 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> KVCache:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # One block more than asked for: ``pad_block``, never handed out, so never written.
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padded gathers read unused slots, and NaN garbage times a zero
         # attention weight would still be NaN.
         return cls(
@@ -60,13 +61,30 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[1]
+        """Blocks sequences can own (``pad_block`` is not one of them)."""
+        return self.k.shape[1] - 1
 
-    def zero_(self) -> None:
-        """Zero every block (after non-finite KV: padded reads multiply it by zero attention weights,
-        and NaN garbage times zero is still NaN)."""
-        self.k.zero_()
-        self.v.zero_()
+    @property
+    def pad_block(self) -> int:
+        """The block padded block tables point at: all zeros, read (masked) and never written, so a
+        padded read never sees another sequence's keys and values (a non-finite value times a zero
+        attention weight is NaN)."""
+        return self.k.shape[1] - 1
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero ``block_ids`` in every layer."""
+        if block_ids:
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
+            self.k.index_fill_(1, index, 0)
+            self.v.index_fill_(1, index, 0)
+
+    def nonfinite_blocks(self) -> list[int]:
+        """The blocks holding a NaN or infinite key or value in any layer (a layer at a time)."""
+        is_bad = torch.zeros(self.k.shape[1], dtype=torch.bool, device=self.k.device)
+        for pool in (self.k, self.v):
+            for layer in pool:
+                is_bad |= ~torch.isfinite(layer).view(layer.shape[0], -1).all(dim=1)
+        return is_bad.nonzero().view(-1).tolist()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply copy-on-write block copies, all layers at once."""
@@ -314,8 +332,8 @@ class DecodeKV:
         if not fills:
             return
         num_blocks = max(-(-span.start // block_size) for span, _ in fills)
-        tables = [span.block_table[:num_blocks] + [0] * (num_blocks - len(span.block_table))
-                  for span, _ in fills]
+        pad = [pool.pad_block]
+        tables = [span.block_table[:num_blocks] + pad * (num_blocks - len(span.block_table)) for span, _ in fills]
         ids = torch.tensor(tables, dtype=torch.long, device=self.v.device).view(-1)  # [n * Nb]
         width = num_blocks * block_size
         runs = _slot_runs([slot for _, slot in fills])

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
-from tether.engine.cpu_kernels import PackedWeights, pack_linears
+from tether.engine.cpu_kernels import PackedWeights, pack_linears, sample_view
 from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.engine.native import decode_attention_kernel
 from tether.errors import CheckpointError
@@ -102,8 +102,7 @@ class ModelRunner:
             # their weights where that is faster (fp32: large or on CPUs where MKL is slow; bf16 with
             # native oneDNN bf16: cpu_kernels).
             self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears)
-        # (a module's parameter dict, a name) for every parameter slot: weights_signature's reads
-        self._parameter_slots = [(m._parameters, name) for m in model.modules() for name in m._parameters]
+        self.weights = WeightsWatch(model)  # what the KV was computed with: changes outside load_weights
 
     @torch.inference_mode()
     def run(self, step: StepInput, block_copies: list[tuple[int, int]]) -> torch.Tensor:
@@ -111,7 +110,8 @@ class ModelRunner:
         self.cache.copy_blocks(block_copies)
         decode_kv_rows = self.decode_kv.assign(step.spans, self.cache, self.block_size)
         meta = build_step_metadata(
-            step.spans, self.block_size, self.sliding_window, self.dtype, self.device, decode_kv_rows
+            step.spans, self.block_size, self.sliding_window, self.dtype, self.device, self.cache.pad_block,
+            decode_kv_rows,
         )
         attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv, self.decode_kernel)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
@@ -126,24 +126,6 @@ class ModelRunner:
                 return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
             index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
             return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
-
-    def weights_signature(self) -> tuple[tuple[int, int, int], ...]:
-        """(parameter object, version counter, storage address) of every parameter slot of the model's
-        modules: it changes with ``load_state_dict``, in-place optimizer steps, ``.to()`` and a new
-        parameter in a slot, not with writes through ``.data`` (they bypass the counter). ~35 us for
-        a 6-layer model (``model.parameters()`` alone walks the modules in ~260 us: the slots are
-        listed once)."""
-        return tuple(
-            (id(p), -1 if p.is_inference() else p._version, p.data_ptr())
-            for params, name in self._parameter_slots
-            if (p := params[name]) is not None
-        )
-
-    @torch.inference_mode()
-    def zero_kv(self) -> None:
-        """Zero the pool and the decode copies: no sequence may hold KV here afterwards."""
-        self.cache.zero_()
-        self.decode_kv.zero_()
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -166,6 +148,58 @@ class ModelRunner:
             params[name].copy_(tensor)
         self.packed.invalidate()
         return len(updates)
+
+
+class WeightsWatch:
+    """Whether a model's parameters changed since ``mark()``, however they were changed.
+
+    A change is a new parameter object in a slot (``load_state_dict(assign=True)``), a new version
+    (in-place writes: ``load_state_dict``, most optimizers' steps), a new storage (``.to()``), or new
+    bits in ``NUM_SAMPLES`` entries of each of the ``NUM_WATCHED`` largest trainable parameters, for
+    steps no counter records: torch's fused AdamW (``tether.training``'s optimizer) leaves the
+    counters alone, and an optimizer step moves nearly every entry of what it trains. Writes through
+    ``.data`` to other parameters, or to few entries, go unseen. ~50 us a step for a 6-layer model
+    (sampling every parameter's entries took ~300 us: ``torch.cat`` costs ~1.5 us per tensor).
+    """
+
+    NUM_WATCHED = 8
+    NUM_SAMPLES = 16
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        # (a module's parameter dict, a name) for every parameter slot, listed once: walking the
+        # modules each step (``model.parameters()``) took ~260 us for a 6-layer model.
+        self._slots = [(m._parameters, name) for m in model.modules() for name in m._parameters]
+        self.mark()
+
+    def mark(self) -> None:
+        """The parameters as they are now are the ones the engine's KV is computed with."""
+        params = self._params()
+        self._keys = self._keys_of(params)
+        trainable = [p for p in params if p.requires_grad] or params
+        largest = sorted(trainable, key=lambda p: p.numel(), reverse=True)[: self.NUM_WATCHED]
+        self._views = [view for p in largest if (view := sample_view(p, self.NUM_SAMPLES)) is not None]
+        self._bits = self._bits_now()
+
+    def changed(self) -> bool:
+        # Same keys: the same objects and storages, so the sampled views still read the parameters.
+        return self._keys_of(self._params()) != self._keys or not torch.equal(self._bits_now(), self._bits)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for params, name in self._slots if (p := params[name]) is not None]
+
+    @staticmethod
+    def _keys_of(params: list[torch.Tensor]) -> tuple[tuple[int, int, int], ...]:
+        try:
+            return tuple((id(p), p._version, p.data_ptr()) for p in params)
+        except RuntimeError:  # an inference tensor (a model built under inference_mode) has no counter
+            return tuple((id(p), -1 if p.is_inference() else p._version, p.data_ptr()) for p in params)
+
+    def _bits_now(self) -> torch.Tensor:
+        """The sampled entries' bits, a new tensor: NaN equals itself, later writes do not reach it."""
+        if not self._views:
+            return torch.zeros(0, dtype=torch.int32)
+        values = torch.cat(self._views)
+        return values.view({4: torch.int32, 2: torch.int16}.get(values.element_size(), torch.uint8))
 
 
 def use_transposed_weight_layout(model: torch.nn.Module) -> int:
@@ -215,16 +249,17 @@ def num_kv_blocks_for(
 ) -> int:
     """The pool size: an explicit count, else a byte budget, else a fraction of free memory.
 
-    A budget covers all KV memory: the pool, its decode copies and, with a draft model, the draft's
-    pool and copies (same number of blocks). Budgets are capped at ``max_blocks_useful`` (every
-    sequence slot at full length), which keeps a CPU engine from claiming gigabytes it can never fill.
+    A budget covers all KV memory: the pool with its pad block (``KVCache.pad_block``), its decode
+    copies and, with a draft model, the draft's pool and copies (same number of blocks). Budgets are
+    capped at ``max_blocks_useful`` (every sequence slot at full length), which keeps a CPU engine
+    from claiming gigabytes it can never fill.
     """
     if num_kv_blocks is not None:
         return num_kv_blocks
-    per_block = kv_bytes_per_block(model, block_size)
-    if draft_model is not None:
-        per_block += kv_bytes_per_block(draft_model, block_size)
+    models = [model] if draft_model is None else [model, draft_model]
+    per_block = sum(kv_bytes_per_block(m, block_size) for m in models)
+    pad_bytes = sum(kv_bytes_per_block(m, block_size) // 2 for m in models)  # a pool block each
     if kv_cache_bytes is None:
         device = next(iter(model.parameters())).device
         kv_cache_bytes = int(free_memory_bytes(device) * memory_fraction)
-    return max(1, min(kv_cache_bytes // per_block, max_blocks_useful))
+    return max(1, min((kv_cache_bytes - pad_bytes) // per_block, max_blocks_useful))
