@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tether.algorithms.logprobs import process_logits
-from tether.engine.rng import SampleRNG
+from tether.engine.rng import SampleRNG, draw_uniforms
 from tether.engine.sampler import Sampler, _sample_general, finish_reason, inverse_cdf
 from tether.engine.sequence import Sequence
 from tether.engine.types import SamplingParams
@@ -74,7 +74,7 @@ def test_plain_sampling_path_matches_the_general_one(temperature):
     logits = torch.randn(6, 1000) * 4
     params = [SamplingParams(temperature=temperature)] * 6
     plain = Sampler().sample(logits, params, generators(*range(6)))
-    general = _sample_general(logits.clone(), params, generators(*range(6)))
+    general = _sample_general(logits.clone(), params, draw_uniforms(generators(*range(6)))[:, 0])
     assert plain.token_ids == general.token_ids
     expected = process_logits(logits, temperature).gather(-1, torch.tensor(plain.token_ids)[:, None])
     assert torch.allclose(torch.tensor(plain.logprobs), expected.squeeze(-1), atol=1e-5)
@@ -102,7 +102,8 @@ def test_a_seeded_row_samples_the_same_next_to_greedy_and_filtered_rows():
         logits = torch.randn(num_rows, 32000, generator=torch.Generator().manual_seed(seed)) * 3
         streams = range(seed * num_rows, (seed + 1) * num_rows)
         alone = Sampler().sample(logits.clone(), params, generators(*streams))
-        if _sample_general(logits.clone(), params, generators(*streams)).token_ids != alone.token_ids:
+        uniforms = draw_uniforms(generators(*streams))[:, 0]
+        if _sample_general(logits.clone(), params, uniforms).token_ids != alone.token_ids:
             break
     else:
         pytest.fail("no draw in 12,800 where the plain and general paths disagree: the test has no data")
@@ -144,6 +145,25 @@ def test_stop_string_spanning_tokens_and_ignoring_the_prompt():
     assert finish_reason(seq, 100, CharTokenizer()) is None
     seq.append_token(25, -1.0, 0)  # "z"
     assert finish_reason(seq, 100, CharTokenizer()) == "stop"
+
+
+class ByteTokenizer:
+    """A token per UTF-8 byte, as byte-level BPE falls back to for characters it has no merge for."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("stop", ["最终答案是", "ééééééééé", "🙂🙂"])
+def test_stop_string_of_many_byte_tokens_per_character(stop):
+    """A stop string's window is counted in bytes, not characters: 5 CJK characters are 15 tokens."""
+    seq = make_seq(list("Q:".encode()), SamplingParams(stop_strings=(stop,)))
+    completion = list(("好的，" + stop + "42").encode())
+    for num, token in enumerate(completion, start=1):
+        seq.append_token(token, -1.0, 0)
+        if finish_reason(seq, 1000, ByteTokenizer()) == "stop":
+            break
+    assert ByteTokenizer().decode(seq.output_ids).endswith(stop) and num < len(completion)
 
 
 def test_large_vocab_samples_only_surviving_tokens_at_the_right_rates():

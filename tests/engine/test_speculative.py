@@ -9,8 +9,18 @@ from transformers import AutoModelForCausalLM
 from helpers.hf_tiny import make_hf_checkpoint
 from helpers.reference import assert_same_completions, full_forward_logprobs
 from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
-from tether.engine.rng import SampleRNG
-from tether.engine.speculative import NgramProposer, accept_coupled, accept_drafts, accept_greedy, ngram_lookup
+from tether.engine.rng import SampleRNG, draw_uniforms
+from tether.engine.sampler import Sampler, _sample_general, inverse_cdf
+from tether.engine.sequence import Sequence
+from tether.engine.speculative import (
+    NgramProposer,
+    Proposal,
+    accept_coupled,
+    accept_drafts,
+    accept_greedy,
+    ngram_lookup,
+    verify,
+)
 from tether.errors import ConfigError
 from tether.models import load_model
 
@@ -151,7 +161,8 @@ def test_accepted_tokens_follow_the_target_distribution(kind):
     is_greedy, uniforms = torch.zeros(num_samples, dtype=torch.bool), torch.rand(num_samples, k + 1, 2, generator=gen)
     if kind == "ngram-point-mass":  # prompt lookup: always the same draft tokens, the coupled test
         draft_ids = torch.tensor([[2, 5]]).expand(num_samples, k)
-        verdict = accept_coupled(logprobs, draft_ids, num_drafts, is_greedy, uniforms[..., 0])
+        plain_ids = inverse_cdf(p.repeat(num_samples, 1), uniforms[..., 0].reshape(-1)).view(num_samples, k + 1)
+        verdict = accept_coupled(logprobs, draft_ids, num_drafts, plain_ids)
     else:  # each row drafts its own tokens from q; the last column is a tail (tested, never fed) or padding
         draft_ids = torch.stack([torch.multinomial(q[i], num_samples, True, generator=gen) for i in range(k + 1)], 1)
         has_tail = torch.full((num_samples,), kind == "draft-q-tail")
@@ -176,12 +187,34 @@ def test_accepted_tokens_follow_the_target_distribution(kind):
         assert abs(kept.mean().item() - rate) < 4 * (rate * (1 - rate) / kept.numel()) ** 0.5
 
 
+def test_prompt_lookup_draws_each_token_as_a_plain_step_does():
+    """The coupled test emits, at each position, the token a plain step would sample with the same
+    uniform, by the same sampling path: at a 32k vocabulary the plain (unfiltered) path and the
+    general one round their CDFs differently and disagree on ~1 draw in 1,600, and a verifier on
+    the general path made a seeded sample depend on whether prompt lookup found a draft."""
+    vocab_size, num_rows = 32000, 64
+    params = SamplingParams(temperature=1.0)  # the RL default: the plain path
+    for trial in range(100):
+        logits = torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(trial)) * 3
+        seeds = range(trial * num_rows, (trial + 1) * num_rows)
+        plain = Sampler().sample(logits.clone(), [params] * num_rows, [SampleRNG(s) for s in seeds]).token_ids
+        general = _sample_general(logits.clone(), [params] * num_rows,
+                                  draw_uniforms([SampleRNG(s) for s in seeds])[:, 0]).token_ids
+        seqs = [Sequence(i, i, 0, [5], 1, params, frozenset(), SampleRNG(s)) for i, s in enumerate(seeds)]
+        drafts = [Proposal([(token + 1) % vocab_size]) for token in plain]  # rejected: column 0 is the draw
+        verdict = verify(torch.stack([logits, logits], dim=1).view(2 * num_rows, vocab_size), seqs, drafts)
+        assert verdict.token_ids[:, 0].tolist() == plain
+        if plain != general:
+            break
+    else:
+        pytest.fail("no draw where the plain and general paths disagree: the test has no data")
+
+
 def test_greedy_acceptance_is_argmax_match():
     logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 5.0]]] * 3)  # [3, K + 1 = 3, V]
     logprobs = torch.log_softmax(logits, dim=-1)
     draft_ids = torch.tensor([[1, 0], [1, 2], [2, 0]])  # all right; second wrong; first wrong
-    verdict = accept_coupled(logprobs, draft_ids, torch.tensor([2, 2, 2]), torch.ones(3, dtype=torch.bool),
-                             torch.rand(3, 3))
+    verdict = accept_coupled(logprobs, draft_ids, torch.tensor([2, 2, 2]), logprobs.argmax(dim=-1))
     assert verdict.num_accepted.tolist() == [2, 1, 0]
     assert [row[: n + 1] for row, n in zip(verdict.token_ids.tolist(), verdict.num_accepted.tolist())] == [
         [1, 0, 2],  # bonus token argmax p_2

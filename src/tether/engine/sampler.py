@@ -21,8 +21,9 @@ from tether.engine.rng import SampleRNG, draw_uniforms
 from tether.engine.sequence import Sequence
 from tether.engine.types import FinishReason, SamplingParams
 
-# Tokens decoded to look for a stop string: enough for its characters plus tokens that decode to
-# nothing on their own (partial UTF-8), without decoding the whole completion every step.
+# Tokens decoded to look for a stop string: one per byte of its UTF-8 (a byte-level tokenizer can
+# spend a token on each: 3 for a CJK character, 4 for an emoji), plus this many for tokens that decode
+# to nothing on their own, without decoding the whole completion every step.
 _STOP_WINDOW_EXTRA_TOKENS = 8
 _CDF_CHUNK = 256  # tokens per chunk of the two-level inverse-CDF search
 _SAMPLE_ROW_BLOCK = 16  # rows per block of the unfiltered sampler's passes (see _sample_plain)
@@ -66,17 +67,30 @@ class Sampler:
         Every sampling (non-greedy) row draws exactly one uniform from its stream; greedy rows none.
         ``may_overwrite``: the caller no longer needs ``logits`` (the engine's own step output), so
         the plain path may work in place instead of allocating another ``[N, V]`` tensor."""
-        paths = [_path(p) for p in params]
-        if len(set(paths)) > 1:
-            return _sample_by_path(logits, params, rngs, paths)
-        temperature = paths[0]
-        if temperature is None:
-            return _sample_general(logits, params, rngs)
-        return _sample_plain(logits, temperature, rngs, may_overwrite)
+        sampling = [i for i, p in enumerate(params) if not p.is_greedy]
+        uniforms = torch.zeros(len(params))  # [N] greedy rows draw none (their entry is not read)
+        if sampling:
+            uniforms[sampling] = draw_uniforms([rngs[i] for i in sampling])[:, 0]
+        return sample_with_uniforms(logits, params, uniforms.to(logits.device), may_overwrite)
+
+
+def sample_with_uniforms(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor, may_overwrite: bool = False
+) -> SampleResult:
+    """``Sampler.sample`` with row i's uniform given (``uniforms`` ``[N]``; greedy rows ignore
+    theirs): speculative decoding's coupled test draws what a plain step would, with the rounding of
+    the path the row's settings pick (``_path``)."""
+    paths = [_path(p) for p in params]
+    if len(set(paths)) > 1:
+        return _sample_by_path(logits, params, uniforms, paths)
+    temperature = paths[0]
+    if temperature is None:
+        return _sample_general(logits, params, uniforms)
+    return _sample_plain(logits, temperature, uniforms, may_overwrite)
 
 
 def _sample_by_path(
-    logits: torch.Tensor, params: list[SamplingParams], rngs: list[SampleRNG], paths: list[float | None]
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor, paths: list[float | None]
 ) -> SampleResult:
     """A step whose rows need different paths (``_path``): each plain row through ``_sample_plain``
     with the rows of its temperature, the rest through the general path. A row's path depends on its
@@ -88,28 +102,28 @@ def _sample_by_path(
         by_path.setdefault(path, []).append(i)
     for temperature, rows in by_path.items():
         index = torch.tensor(rows, device=logits.device)
-        rows_params, rows_rngs = [params[i] for i in rows], [rngs[i] for i in rows]
+        rows_params, rows_uniforms = [params[i] for i in rows], uniforms[index]
         if temperature is None:
-            result = _sample_general(logits[index], rows_params, rows_rngs)
+            result = _sample_general(logits[index], rows_params, rows_uniforms)
         else:  # logits[index] is a copy: the plain path may work in place
-            result = _sample_plain(logits[index], temperature, rows_rngs, may_overwrite=True)
+            result = _sample_plain(logits[index], temperature, rows_uniforms, may_overwrite=True)
         for i, token_id, logprob in zip(rows, result.token_ids, result.logprobs):
             token_ids[i], logprobs[i] = token_id, logprob
     return SampleResult(token_ids, logprobs)
 
 
-def _sample_general(logits: torch.Tensor, params: list[SamplingParams], rngs: list[SampleRNG]) -> SampleResult:
+def _sample_general(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> SampleResult:
     """Any mix of settings: the full ``process_logits`` distribution, argmax for greedy rows."""
     device = logits.device
     logprobs = processed_logprobs(logits, params)  # [N, V] fp32
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if len(sampled_rows) == len(params):  # skip the argmax pass: it costs as much as sampling
-        token_ids = _inverse_cdf(logprobs, rngs)
+        token_ids = inverse_cdf(logprobs.exp(), uniforms)
     else:
         token_ids = logprobs.argmax(dim=-1)  # [N]; final for greedy rows
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=device)
-            token_ids[rows] = _inverse_cdf(logprobs[rows], [rngs[i] for i in sampled_rows])
+            token_ids[rows] = inverse_cdf(logprobs[rows].exp(), uniforms[rows])
     picked = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [N]
     return SampleResult(token_ids.tolist(), picked.tolist())  # the path's one host sync
 
@@ -121,7 +135,7 @@ def _path(params: SamplingParams) -> float | None:
     return params.temperature if is_plain else None
 
 
-def _sample_plain(logits: torch.Tensor, temperature: float, rngs: list[SampleRNG],
+def _sample_plain(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor,
                   may_overwrite: bool = False) -> SampleResult:
     """``Sampler.sample`` without filters, in three passes over ``[N, V]`` instead of six.
 
@@ -155,16 +169,9 @@ def _sample_plain(logits: torch.Tensor, temperature: float, rngs: list[SampleRNG
         peak = block.amax(dim=-1, keepdim=True)  # [B, 1]
         torch.sub(block, peak, out=weights[rows]).exp_()  # x - max, then exp: max weight 1
         chunk_sums[rows] = _chunk_sums(weights[rows])
-    uniforms = draw_uniforms(rngs)[:, 0].to(logits.device)  # [N]
     token_ids, totals = _search(weights, chunk_sums, uniforms)  # [N], [N]
     picked = weights.gather(-1, token_ids[:, None]).squeeze(-1).log() - totals.log()  # [N]
     return SampleResult(token_ids.tolist(), picked.tolist())
-
-
-def _inverse_cdf(logprobs: torch.Tensor, rngs: list[SampleRNG]) -> torch.Tensor:
-    """logprobs [M, V] -> LongTensor [M]: one draw per row from its own stream."""
-    uniforms = draw_uniforms(rngs)[:, 0].to(logprobs.device)  # [M]
-    return inverse_cdf(logprobs.exp(), uniforms)
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -233,6 +240,6 @@ def finish_reason(seq: Sequence, max_model_len: int, tokenizer: Detokenizer | No
 def _has_stop_string(seq: Sequence, tokenizer: Detokenizer) -> bool:
     """Whether the completion's tail contains a stop string (only the tail: earlier ones stopped it)."""
     stop_strings = seq.params.stop_strings
-    num_window = max(len(s) for s in stop_strings) + _STOP_WINDOW_EXTRA_TOKENS
+    num_window = max(len(s.encode("utf-8")) for s in stop_strings) + _STOP_WINDOW_EXTRA_TOKENS
     tail = tokenizer.decode(seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - num_window) :])
     return any(s in tail for s in stop_strings)

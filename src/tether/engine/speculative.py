@@ -47,7 +47,7 @@ from tether.engine.attention import SeqSpan
 from tether.engine.config import EngineConfig
 from tether.engine.rng import ACCEPT_DRAW, DRAFT_DRAW, STOP_DRAW, draw_at, position_uniforms
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput
-from tether.engine.sampler import inverse_cdf, processed_logprobs
+from tether.engine.sampler import inverse_cdf, processed_logprobs, sample_with_uniforms
 from tether.engine.sequence import Sequence
 from tether.engine.types import SamplingParams
 from tether.errors import ConfigError
@@ -214,7 +214,8 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -
     """
     k = max(p.num_tokens for p in drafts)
     device = logits.device
-    logprobs = _pad_rows(processed_logprobs(logits, _repeat_params(seqs, drafts)), drafts, k)  # [S, K + 1, V]
+    row_params = _repeat_params(seqs, drafts)
+    logprobs = _pad_rows(processed_logprobs(logits, row_params), drafts, k)  # [S, K + 1, V]
     num_drafts = torch.tensor([p.num_tokens for p in drafts], device=device)
     draft_ids = torch.tensor([p.token_ids + [0] * (k - p.num_tokens) for p in drafts], dtype=torch.long,
                              device=device)  # [S, K]: K may be 0 (tails only)
@@ -222,10 +223,15 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -
         return accept_greedy(logprobs, draft_ids, num_drafts)
     is_greedy = torch.tensor([seq.params.is_greedy for seq in seqs], device=device)
     if all(p.draft_probs is None and p.tail_probs is None for p in drafts):
-        # Point masses (prompt lookup): the coupled test, one draw per token from the plain stream.
+        # Point masses (prompt lookup): the coupled test, one draw per token from the plain stream,
+        # each drawn as a plain step draws it (the same sampling path, so the same rounding).
         uniforms = draw_at([seq.rng for seq in seqs], np.tile(np.arange(k + 1, dtype=np.uint64), (len(seqs), 1)),
                            [0] * len(seqs))
-        verdict = accept_coupled(logprobs, draft_ids, num_drafts, is_greedy, uniforms.to(device))
+        padded_params = [seq.params for seq in seqs for _ in range(k + 1)]
+        plain = sample_with_uniforms(_pad_rows(logits, drafts, k).view(len(seqs) * (k + 1), -1), padded_params,
+                                     uniforms.view(-1).to(device))
+        plain_ids = torch.tensor(plain.token_ids, device=device).view(len(seqs), k + 1)
+        verdict = accept_coupled(logprobs, draft_ids, num_drafts, plain_ids)
         for seq, num_accepted in zip(seqs, verdict.num_accepted.tolist()):
             if not seq.params.is_greedy:
                 seq.rng.num_draws += num_accepted + 1  # the draws of the tokens emitted, as plain steps
@@ -287,30 +293,22 @@ def accept_greedy(logprobs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
 
 
 def accept_coupled(
-    logprobs: torch.Tensor,
-    draft_ids: torch.Tensor,
-    num_drafts: torch.Tensor,
-    is_greedy: torch.Tensor,
-    uniforms: torch.Tensor,
+    logprobs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor, plain_ids: torch.Tensor
 ) -> Verdict:
     """The test for point-mass drafts, coupled to plain sampling (module docstring).
 
-    logprobs ``[S, K + 1, V]``, draft_ids ``[S, K]``, num_drafts ``[S]``, is_greedy ``[S]`` as in
-    ``accept_drafts``; uniforms ``[S, K + 1]``: column i is the uniform of the step's i-th token.
+    logprobs ``[S, K + 1, V]``, draft_ids ``[S, K]``, num_drafts ``[S]`` as in ``accept_drafts``;
+    plain_ids ``[S, K + 1]``: the token a plain step emits at each position (its argmax for a greedy
+    row; ``sample_with_uniforms`` with the uniform of the step's i-th token in column i). Accepted
+    drafts equal it, and the first position that differs is the step's last token, so these are the
+    verdict's tokens as they stand.
     """
-    num_rows, num_positions, vocab_size = logprobs.shape
-    k = num_positions - 1
-    probs = logprobs.exp().view(-1, vocab_size)  # [S * (K + 1), V]
-    # What a plain step emits at each position: accepted drafts equal it, and the first position
-    # that differs is the step's last token, so these are the verdict's tokens as they stand.
-    token_ids = inverse_cdf(probs, uniforms.reshape(-1)).view(num_rows, num_positions)  # [S, K + 1]
-    if bool(is_greedy.any()):
-        token_ids = torch.where(is_greedy[:, None], logprobs.argmax(dim=-1), token_ids)
-    is_accepted = token_ids[:, :k] == draft_ids
+    k = logprobs.shape[1] - 1
+    is_accepted = plain_ids[:, :k] == draft_ids
     is_accepted &= torch.arange(k, device=logprobs.device)[None, :] < num_drafts[:, None]
     num_accepted = is_accepted.long().cumprod(dim=-1).sum(dim=-1)  # [S]
-    token_logprobs = logprobs.gather(-1, token_ids[..., None]).squeeze(-1)  # [S, K + 1]
-    return Verdict(token_ids, token_logprobs, num_accepted)
+    token_logprobs = logprobs.gather(-1, plain_ids[..., None]).squeeze(-1)  # [S, K + 1]
+    return Verdict(plain_ids, token_logprobs, num_accepted)
 
 
 def accept_drafts(
