@@ -58,6 +58,7 @@ def test_greedy_equals_transformers_and_format(model_dir, tmp_path):
     ({"prompt": "x", "seed": float("nan")}, "p.jsonl:3: field 'seed' must be a finite number"),  # the file's line
     ({"prompt": "x", "max_new_tokens": float("inf")}, "field 'max_new_tokens' must be a finite number"),
     ({"prompt": "x", "temprature": 0}, "p.jsonl:3: unknown field 'temprature' (did you mean 'temperature'?)"),
+    ({"prompt": "x", "top_p": 10**400}, "p.jsonl:3: field 'top_p' is out of range"),
 ])
 def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path, line, needle):
     prompts = tmp_path / "p.jsonl"
@@ -72,7 +73,10 @@ def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path, line, needle):
 def test_lines_without_a_seed_sample_with_their_own(model_dir, tmp_path):
     # The same prompt on three lines, no seed of their own: different samples (each line's seed is
     # derived from --seed and its position), the same again on a rerun; a line's own seed is kept.
-    rows = [{"prompt": "ab"}, {"prompt": "ab"}, {"prompt": "ab", "seed": 7}, {"prompt": "ab", "seed": 7}]
+    # A line seeded 1 does not replay line 0, whose seed is derived from --seed 0 (an affine
+    # derivation once gave it exactly 1).
+    rows = [{"prompt": "ab"}, {"prompt": "ab"}, {"prompt": "ab", "seed": 7}, {"prompt": "ab", "seed": 7},
+            {"prompt": "ab", "seed": 1}]
     prompts = _prompts(tmp_path / "p.jsonl", rows)
     outputs = []
     for name in ("a.jsonl", "b.jsonl"):
@@ -84,6 +88,7 @@ def test_lines_without_a_seed_sample_with_their_own(model_dir, tmp_path):
     assert first == second
     assert first[0] != first[1]
     assert first[2] == first[3]
+    assert first[4] not in (first[0], first[1])
 
 
 @pytest.mark.parametrize(("extra", "needle"), [
@@ -106,7 +111,8 @@ def test_output_to_dev_stdout_and_through_a_symlink(model_dir, tmp_path):
     prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ok"}])
     result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--output", "/dev/stdout"], tmp_path)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.splitlines()[0])["prompt_index"] == 0
+    assert [json.loads(line)["prompt_index"] for line in result.stdout.splitlines()] == [0]  # JSON lines only
+    assert "wrote 1 samples" in result.stderr
     target, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
     target.write_text("old\n")
     link.symlink_to(target)

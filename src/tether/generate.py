@@ -15,6 +15,7 @@ import difflib
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,10 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
                 raise DataError(f"{where}: field '{key}' must be a finite number, got {value!r}")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
                 raise DataError(f"{where}: field '{key}' must be {kind.__name__}, got {value!r}")
-            values[key] = kind(value)
+            try:
+                values[key] = kind(value)
+            except OverflowError:  # an integer with hundreds of digits for a float field
+                raise DataError(f"{where}: field '{key}' is out of range ({str(value)[:20]}...)") from None
     try:
         params = SamplingParams(**values)
     except ValueError as exc:
@@ -96,7 +100,8 @@ def run_generate(args: argparse.Namespace) -> Path:
             f.write(json.dumps(line) + "\n")
     if is_regular:
         os.replace(partial, target)
-    print(f"wrote {len(completions)} samples for {len(records)} prompts to {out}", flush=True)
+    # On stderr: --output /dev/stdout gets the JSON lines alone.
+    print(f"wrote {len(completions)} samples for {len(records)} prompts to {out}", file=sys.stderr, flush=True)
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -290,6 +291,41 @@ def test_a_numpy_integer_seed_samples_as_its_int(qwen2_path):
     assert type(SamplingParams(seed=np.int64(3)).seed) is int
     with pytest.raises(ValueError, match="seed must be an integer or None, got 1.5"):
         SamplingParams(seed=1.5)
+
+
+def test_sampling_params_are_checked_and_normalised():
+    """Wrong types fail where the settings are made, one line naming the field, not inside a step
+    (a float top_k sampled differently alone and in a mixed batch; a top_k past int64 broke every
+    later call)."""
+    for bad, field in [({"n": 1.5}, "n"), ({"top_k": 2.5}, "top_k"), ({"top_k": 2**64}, "top_k"),
+                       ({"temperature": "1"}, "temperature"), ({"max_new_tokens": True}, "max_new_tokens"),
+                       ({"stop_token_ids": 2}, "stop_token_ids"), ({"stop_token_ids": [-1]}, "stop token ids"),
+                       ({"stop_strings": ("a", 5)}, "stop_strings"), ({"stop_strings": ("",)}, "stop_strings")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
+    made = SamplingParams(temperature=1, top_k=np.int64(3), stop_strings="</s>", stop_token_ids=[2, np.int64(7)])
+    assert (made.temperature, made.top_k, made.stop_strings, made.stop_token_ids) == (1.0, 3, ("</s>",), (2, 7))
+    assert type(made.top_k) is int and type(made.stop_token_ids[1]) is int
+
+
+def test_a_step_that_raises_leaves_no_request_of_its_call_behind(qwen2_path):
+    engine = make_engine(qwen2_path)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    expected = engine.generate(PROMPTS[:2], params)
+    run = engine.runner.run
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return run(*args, **kwargs)
+
+    engine.runner.run = failing_once
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.generate(PROMPTS[:2], params)
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_same_completions(engine.generate(PROMPTS[:2], params), expected)
 
 
 def test_a_request_whose_kv_fills_the_pool_exactly_is_served(qwen2_path):

@@ -87,3 +87,11 @@ def test_the_samples_of_a_runs_requests_do_not_replay_each_other():
     values = (draw_uniforms(rngs, 8) * (1 << 24)).long().flatten()
     num_repeats = values.numel() - values.unique().numel()
     assert num_repeats < 3 * 1950, num_repeats
+
+
+def test_derived_request_seeds_do_not_collide_with_small_seeds():
+    """``tether generate``: a line without a seed gets one derived from --seed and its index; an
+    affine derivation sent seed 0's line i to seed i + 1, so a line seeded 1 replayed line 0."""
+    derived = [SamplingParams(seed=base).for_request(i).seed for base in range(4) for i in range(1000)]
+    assert len(set(derived)) == len(derived)
+    assert all(seed >= 1 << 20 for seed in derived)  # far from any seed a person types

@@ -370,18 +370,24 @@ class LLMEngine:
         results: list[list[Completion]] = [[] for _ in prompts]
         num_left = sum(sp.n for sp in params_list)
         others: list[Completion] = []
-        while num_left > 0:
-            if not self.scheduler.has_unfinished() and not self._done:
-                raise RuntimeError(f"engine idle with {num_left} completions outstanding")  # a bug, not input
-            for completion in self.step():
-                index = prompt_index.get(completion.request_id)
-                if index is None:
-                    others.append(completion)
-                    continue
-                completion.prompt_index = index
-                results[index].append(completion)
-                num_left -= 1
-        self._done = others + self._done
+        try:
+            while num_left > 0:
+                if not self.scheduler.has_unfinished() and not self._done:
+                    raise RuntimeError(f"engine idle with {num_left} completions outstanding")  # a bug, not input
+                for completion in self.step():
+                    index = prompt_index.get(completion.request_id)
+                    if index is None:
+                        others.append(completion)
+                        continue
+                    completion.prompt_index = index
+                    results[index].append(completion)
+                    num_left -= 1
+        except BaseException:  # a step raised: this call's requests do not linger into the next call
+            self.abort(prompt_index)
+            self._done = [c for c in self._done if c.request_id not in prompt_index]
+            raise
+        finally:
+            self._done = others + self._done  # other requests' completions wait for the next step()
         return [c for group in results for c in sorted(group, key=lambda c: c.sample_index)]
 
     # ------------------------------------------------------------------ weights

@@ -4,9 +4,8 @@ The j-th uniform of a sample seeded ``s`` is SplitMix64's j-th output (Steele, L
 "Fast Splittable Pseudorandom Number Generators") from the state ``mix(s ^ c)``:
 ``mix(mix(s ^ c) + (j + 1) * gamma)``, gamma the odd golden-ratio constant, its top 24 bits scaled
 into [0, 1) -- a float32 that is exact and never 1.0, as ``torch.rand`` draws. The seed is mixed
-into the state, not used as it: seeds that differ by a multiple of gamma (``sample_seed`` and
-``SamplingParams.for_request`` derive seeds with that very constant) would otherwise give one stream
-shifted by a draw, sample j of one request replaying sample j of the next.
+into the state, not used as it: seeds that differ by a multiple of gamma (``sample_seed`` derives a
+request's sample seeds with that very constant) would otherwise give one stream shifted by a draw.
 
 The whole state of a sample's stream is two integers (``SampleRNG``), and a step draws for all its
 rows in a handful of vectorised integer operations instead of one ``torch.rand`` call per row

@@ -13,6 +13,7 @@ decoding (temperature 0) reports the log-prob under the unprocessed softmax (tem
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,31 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # The smallest positive temperature: below it ``logits / temperature`` overflows fp32 for ordinary
 # logits (inf, then NaN probabilities). 0 is greedy.
 MIN_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: the same as 0 (no top-k)
+_MASK_64 = (1 << 64) - 1
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _as_int(name: str, value: object) -> int:
+    """``value`` as a Python int (a numpy integer too); a float, bool or string is an error."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function (as ``tether.engine.rng``), on Python ints."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return z ^ (z >> 31)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +62,31 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
-    seed: int | None = None  # per-request seed: same seed, same sample, whatever the batch
+    # Per-request seed: the sampler's draws depend on it alone, not on the batch (the logits can
+    # differ in their last bits with the batch's shape, which at a near-tie flips a draw: see
+    # ``tether.engine.sampler``). None: the engine draws one from its own stream (``EngineConfig.seed``).
+    seed: int | None = None
     n: int = 1  # samples per prompt (a GRPO group); they share the prompt's KV
 
     def __post_init__(self) -> None:
+        """Checks every field, one ``ValueError`` naming it; numbers become Python floats and ints,
+        stop ids and strings tuples (a single string is one stop string)."""
+        for name in ("temperature", "top_p", "min_p"):
+            object.__setattr__(self, name, _as_float(name, getattr(self, name)))
+        for name in ("top_k", "max_new_tokens", "n"):
+            object.__setattr__(self, name, _as_int(name, getattr(self, name)))
+        if isinstance(self.stop_strings, str):
+            object.__setattr__(self, "stop_strings", (self.stop_strings,))
+        elif isinstance(self.stop_strings, Iterable):
+            object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if not isinstance(self.stop_strings, tuple) or not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
+        stop_ids = tuple(_as_int("a stop token id", t) for t in self.stop_token_ids)
+        if any(t < 0 for t in stop_ids):
+            raise ValueError(f"stop token ids must be >= 0, got {stop_ids}")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -50,8 +97,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
@@ -71,11 +118,14 @@ class SamplingParams:
 
         RL must draw fresh randomness for every prompt of every step: reusing one seed would replay
         the same uniforms for sample j of every group, step after step, and bias the gradient. The
-        derived seed keeps the run reproducible; ``seed=None`` stays None (fresh global randomness).
+        derived seed keeps the run reproducible: SplitMix64 of (seed, index), so derived seeds look
+        unrelated to each other and to small seeds a user gives (an affine map sent seed 0's request
+        i to seed i + 1, which a prompt line seeded 1 replayed). ``seed=None`` stays None.
         """
         if self.seed is None:
             return self
-        return replace(self, seed=(self.seed * 0x9E3779B97F4A7C15 + index + 1) % 2**63)
+        state = _mix64((self.seed & _MASK_64) ^ 0x243F6A8885A308D3)
+        return replace(self, seed=_mix64((state + (index + 1) * 0x9E3779B97F4A7C15) & _MASK_64) >> 1)
 
 
 @dataclass(slots=True)
