@@ -59,6 +59,8 @@ def test_greedy_equals_transformers_and_format(model_dir, tmp_path):
     ({"prompt": "x", "max_new_tokens": float("inf")}, "field 'max_new_tokens' must be a finite number"),
     ({"prompt": "x", "temprature": 0}, "p.jsonl:3: unknown field 'temprature' (did you mean 'temperature'?)"),
     ({"prompt": "x", "top_p": 10**400}, "p.jsonl:3: field 'top_p' is out of range"),
+    ({"prompt": "x", "stop": ["a", 5]}, "p.jsonl:3: field 'stop' must be a non-empty string or a list of them"),
+    ({"prompt": "x", "stops": "a"}, "unknown field 'stops' (did you mean 'stop'?)"),
 ])
 def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path, line, needle):
     prompts = tmp_path / "p.jsonl"
@@ -89,6 +91,21 @@ def test_lines_without_a_seed_sample_with_their_own(model_dir, tmp_path):
     assert first[0] != first[1]
     assert first[2] == first[3]
     assert first[4] not in (first[0], first[1])
+
+
+def test_a_prompt_line_may_give_its_own_stop_strings(model_dir, tmp_path):
+    def texts(rows: list[dict]) -> list[tuple[str, str]]:
+        result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / "p.jsonl", rows)),
+                       "--max-new-tokens", "12", "--output", str(tmp_path / "o.jsonl")], tmp_path)
+        assert result.returncode == 0, result.stderr
+        lines = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+        return [(line["text"], line["finish_reason"]) for line in lines]
+
+    [(free, reason)] = texts([{"prompt": "ab", "seed": 3}])
+    stop = free[2]
+    expected = (free[: free.index(stop) + 1], "stop")
+    assert texts([{"prompt": "ab", "seed": 3, "stop": stop}, {"prompt": "ab", "seed": 3, "stop": ["#", stop]},
+                  {"prompt": "ab", "seed": 3}]) == [expected, expected, (free, reason)]
 
 
 @pytest.mark.parametrize(("extra", "needle"), [

@@ -26,8 +26,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                        description="Sample completions with the rollout engine; one JSON line per sample.")
     p.add_argument("--model", required=True, help="Model directory (HF format, with tokenizer).")
     p.add_argument("--prompts", required=True, help="JSONL file: one {'prompt': ...} per line; a line may "
-                   "override max_new_tokens, temperature, top_p, top_k, min_p, seed, n; a line without a seed "
-                   "gets its own, derived from --seed.")
+                   "override max_new_tokens, temperature, top_p, top_k, min_p, seed, n, and stop (a string or a "
+                   "list: its stop strings); a line without a seed gets its own, derived from --seed.")
     p.add_argument("--output", required=True, help="Output JSONL file.")
     p.add_argument("--n", type=int, default=1, help="Samples per prompt.")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -3,7 +3,8 @@
 Output: one JSON line per sample with ``prompt_index``, ``sample_index``, ``text``, ``token_ids``,
 ``logprobs``, ``finish_reason`` (plus ``error`` for a request that could not be served). A prompts
 line may override ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed`` and
-``n``. A line without a ``seed`` samples with its own seed derived from ``--seed`` and its position
+``n``, and give ``stop`` (a string or a list of strings: its stop strings, in place of ``--stop``).
+A line without a ``seed`` samples with its own seed derived from ``--seed`` and its position
 (``SamplingParams.for_request``): two lines with the same prompt give different samples, and the
 run repeats exactly.
 """
@@ -39,8 +40,8 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
     where = record.where or f"{where}:{record.index + 1}"
     values = dict(base)
     for key in record.fields:  # other fields are the user's own (an answer, an id): kept, unused
-        close = difflib.get_close_matches(key, OVERRIDABLE, n=1, cutoff=0.8)
-        if key not in OVERRIDABLE and close:
+        close = difflib.get_close_matches(key, [*OVERRIDABLE, "stop"], n=1, cutoff=0.8)
+        if key not in OVERRIDABLE and key != "stop" and close:
             raise DataError(f"{where}: unknown field '{key}' (did you mean '{close[0]}'?)")
     for key, kind in OVERRIDABLE.items():
         if key in record.fields:
@@ -53,6 +54,12 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
                 values[key] = kind(value)
             except OverflowError:  # an integer with hundreds of digits for a float field
                 raise DataError(f"{where}: field '{key}' is out of range ({str(value)[:20]}...)") from None
+    if "stop" in record.fields:
+        stop = record.fields["stop"]
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise DataError(f"{where}: field 'stop' must be a non-empty string or a list of them, got {stop!r}")
+        values["stop_strings"] = tuple(stops)
     try:
         params = SamplingParams(**values)
     except ValueError as exc:
