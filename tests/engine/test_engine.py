@@ -196,10 +196,11 @@ def test_logits_follow_an_lm_head_changed_in_place(qwen2_path):
     assert after.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
 
 
-@pytest.mark.parametrize("change", ["load_state_dict", "optimizer_step"])
+@pytest.mark.parametrize("change", ["load_state_dict", "optimizer_step", "optimizer_step_on_attention"])
 def test_weights_changed_outside_update_weights_are_not_served_from_the_prefix_cache(qwen2_path, change):
     """``load_state_dict``, or a step of tether's optimizer (torch's fused AdamW, which leaves the
-    parameters' version counters alone), on the engine's model between steps: the prompt's cached KV
+    parameters' version counters alone) over all or a few of its parameters, on the engine's model
+    between steps: the prompt's cached KV
     was computed under the old weights, so the next request must recompute it, as after
     ``update_weights``."""
     engine = make_engine(qwen2_path)
@@ -209,10 +210,12 @@ def test_weights_changed_outside_update_weights_are_not_served_from_the_prefix_c
     if change == "load_state_dict":
         state = {name: p * 1.3 if ".layers." in name else p for name, p in load_model(qwen2_path).state_dict().items()}
         engine.model.load_state_dict(state)
-    else:
-        optimizer = build_optimizer(engine.model.parameters(), lr=0.05)
+    else:  # every parameter, or a few small ones (none of the largest, whose bits are sampled)
+        trained = [p for name, p in engine.model.named_parameters()
+                   if change == "optimizer_step" or "self_attn.k_proj" in name]
+        optimizer = build_optimizer(trained, lr=0.05)
         generator = torch.Generator().manual_seed(0)
-        for p in engine.model.parameters():
+        for p in trained:
             p.grad = torch.randn(p.shape, generator=generator)
         optimizer.step()
     hits = engine.stats.num_prefix_hit_tokens
@@ -317,13 +320,16 @@ def test_a_step_that_raises_leaves_no_request_of_its_call_behind(qwen2_path):
 
     def failing_once(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 1:  # the first step of the call, which also hands out the queued completion
             raise RuntimeError("out of memory")
         return run(*args, **kwargs)
 
     engine.runner.run = failing_once
+    queued = engine.add_request([], params)  # fails at once: its completion waits for the next step
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.generate(PROMPTS[:2], params)
+    # The queued completion survives the raising step; the call's own requests are gone.
+    assert [(c.request_id, c.finish_reason) for c in engine.step()] == [(queued, "error")]
     assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert_same_completions(engine.generate(PROMPTS[:2], params), expected)
 
@@ -474,6 +480,42 @@ def test_a_sequence_whose_kv_turns_non_finite_fails_alone(qwen2_path, native_att
         assert reused.block_manager.num_free_blocks == reused.block_manager.num_blocks
         assert reused.runner.cache.nonfinite_blocks() == []
         assert_same_completions(reused.generate(healthy, [params, params, sampled]), reference)
+
+
+def _overflowing_engine(path, **overrides) -> LLMEngine:
+    """An engine whose weights overflow on token 99 only (its embedding is inf)."""
+    model = load_model(path)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[99] = float("inf")
+    return LLMEngine(model, config=EngineConfig(**{"num_kv_blocks": 16, "block_size": 4, **overrides}))
+
+
+def test_a_prompt_whose_kv_turns_non_finite_in_a_prefill_chunk_fails_at_that_step(qwen2_path):
+    """No logits are sampled in a prefill chunk, yet its KV may already be NaN: the step that wrote it
+    fails the request, before an abort or a preemption could free its blocks unseen (a healthy
+    prompt reusing them, or hitting its first block in the prefix cache, then failed too)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=3)
+    healthy = [5, 6, 7, 8, 20, 21]  # its first block is the bad prompt's, finite
+    reference = _overflowing_engine(qwen2_path).generate([healthy], params)
+    engine = _overflowing_engine(qwen2_path, max_num_batched_tokens=8)
+    bad = engine.add_request([5, 6, 7, 8, 99, 9, 10, 11, 12, 13, 14, 15, 16, 17], params)  # 2 chunks
+    first = engine.step()
+    assert [(c.request_id, c.finish_reason) for c in first] == [(bad, "error")]
+    assert "KV cache holds non-finite values" in first[0].error and not engine.has_unfinished()
+    assert engine.runner.cache.nonfinite_blocks() == []
+    assert_same_completions(engine.generate([healthy], params), reference)
+    # Preemption in a small pool: the overflowing prompt is recomputed and fails; the others finish
+    # as they do alone.
+    prompts = [[78, 41, 85, 24, 68, 45, 64, 32, 46, 75, 44, 83], [69, 57, 99, 84, 83, 63, 74, 47, 54, 32, 68],
+               [61, 71, 56], [40, 45, 61]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    config = {"num_kv_blocks": 5, "max_num_batched_tokens": 8, "enable_prefix_caching": False}
+    crowded = _overflowing_engine(qwen2_path, **config)
+    out = crowded.generate(prompts, params)
+    assert crowded.stats.num_preemptions > 0
+    assert [c.finish_reason == "error" for c in out] == [False, True, False, False]
+    alone = [_overflowing_engine(qwen2_path, **config).generate([prompt], params)[0] for prompt in prompts]
+    assert_same_completions([out[0], *out[2:]], [alone[0], *alone[2:]])
 
 
 def test_non_finite_logits_fail_their_sequences_and_a_good_update_recovers(qwen2_path):

@@ -162,7 +162,7 @@ def test_accepted_tokens_follow_the_target_distribution(kind):
     if kind == "ngram-point-mass":  # prompt lookup: always the same draft tokens, the coupled test
         draft_ids = torch.tensor([[2, 5]]).expand(num_samples, k)
         plain_ids = inverse_cdf(p.repeat(num_samples, 1), uniforms[..., 0].reshape(-1)).view(num_samples, k + 1)
-        verdict = accept_coupled(logprobs, draft_ids, num_drafts, plain_ids)
+        verdict = accept_coupled(draft_ids, num_drafts, plain_ids, logprobs.gather(-1, plain_ids[..., None])[..., 0])
     else:  # each row drafts its own tokens from q; the last column is a tail (tested, never fed) or padding
         draft_ids = torch.stack([torch.multinomial(q[i], num_samples, True, generator=gen) for i in range(k + 1)], 1)
         has_tail = torch.full((num_samples,), kind == "draft-q-tail")
@@ -214,7 +214,8 @@ def test_greedy_acceptance_is_argmax_match():
     logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 5.0]]] * 3)  # [3, K + 1 = 3, V]
     logprobs = torch.log_softmax(logits, dim=-1)
     draft_ids = torch.tensor([[1, 0], [1, 2], [2, 0]])  # all right; second wrong; first wrong
-    verdict = accept_coupled(logprobs, draft_ids, torch.tensor([2, 2, 2]), logprobs.argmax(dim=-1))
+    best = logprobs.argmax(dim=-1)
+    verdict = accept_coupled(draft_ids, torch.tensor([2, 2, 2]), best, logprobs.gather(-1, best[..., None])[..., 0])
     assert verdict.num_accepted.tolist() == [2, 1, 0]
     assert [row[: n + 1] for row, n in zip(verdict.token_ids.tolist(), verdict.num_accepted.tolist())] == [
         [1, 0, 2],  # bonus token argmax p_2
@@ -387,3 +388,29 @@ def test_draft_model_samples_depend_on_the_seed_not_on_the_drafts_or_the_batch(p
     assert preempting.stats.num_preemptions > 0
     draft_counts = {e.stats.num_draft_tokens for e in (roomy, one, tight, preempting)}
     assert len(draft_counts) == 4 and 0 not in draft_counts
+
+
+@pytest.mark.parametrize("overflowing", [("target", "draft"), ("draft",)])
+def test_a_draft_model_that_overflows_leaves_no_trace(paths, overflowing):
+    """Weights that overflow on token 99 (its embedding inf) in the draft model, and the target too:
+    a seeded request after the prompt holding it samples exactly as on a fresh engine. The draft
+    pool's NaN slots are zeroed like the target's, and a draft that overflows on a context stops
+    drafting for it (plain steps), so NaN draft distributions never reach the acceptance test."""
+
+    def engine() -> LLMEngine:
+        models = {key: load_model(paths[key]) for key in ("target", "draft")}
+        with torch.no_grad():
+            for key in overflowing:
+                models[key].model.embed_tokens.weight[99] = float("inf")
+        config = EngineConfig(num_kv_blocks=6, block_size=4, speculative="draft", num_speculative_tokens=3,
+                              enable_prefix_caching=False)
+        return LLMEngine(models["target"], config=config, draft_model=models["draft"])
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=4)
+    healthy = [list(range(30, 40))]
+    reference = engine().generate(healthy, params)
+    used = engine()
+    bad = used.generate([[5, 6, 99, *range(7, 20)]], params)
+    assert [c.finish_reason for c in bad] == (["error"] if "target" in overflowing else ["length"])
+    assert used.proposer.runner.cache.nonfinite_blocks() == [] and used.runner.cache.nonfinite_blocks() == []
+    assert_same_completions(used.generate(healthy, params), reference)

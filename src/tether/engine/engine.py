@@ -109,7 +109,6 @@ class LLMEngine:
         self._next_request_id = 0
         self._next_seq_id = 0
         self._seed_rng = random.Random(config.seed)  # seeds for requests without their own
-        self._is_kv_scrub_due = False  # a step saw NaN/inf logits: _scrub_nonfinite_kv at its end
 
     # ------------------------------------------------------------------ requests
 
@@ -171,21 +170,24 @@ class LLMEngine:
     def step(self) -> list[Completion]:
         """Run one scheduling step; returns the completions that finished in it."""
         done, self._done = self._done, []
-        if self.runner.weights.changed():
-            self._on_new_weights()  # changed outside update_weights (load_state_dict, an optimizer step)
-        out = self.scheduler.schedule()
-        self.stats.num_preemptions += out.num_preempted
-        self.stats.num_prefix_hit_tokens += out.num_prefix_hit_tokens
-        if out.is_empty:
-            return done
-        proposals = self._propose(out)
-        step_input, samplers, verifiers = self._prepare(out, proposals)
-        logits = self.runner.run(step_input, out.block_copies)  # [N + sum(n_i + 1), V]
-        self._advance(out.scheduled)  # drafts count once accepted (_verify_and_finish)
-        done.extend(self._sample_and_finish(logits[: len(samplers)], samplers))
-        done.extend(self._verify_and_finish(logits[len(samplers) :], verifiers, proposals))
-        if self._is_kv_scrub_due:
+        try:
+            if self.runner.weights.changed():
+                self._on_new_weights()  # changed outside update_weights (load_state_dict, an optimizer step)
+            out = self.scheduler.schedule()
+            self.stats.num_preemptions += out.num_preempted
+            self.stats.num_prefix_hit_tokens += out.num_prefix_hit_tokens
+            if out.is_empty:
+                return done
+            proposals = self._propose(out)
+            step_input, samplers, verifiers = self._prepare(out, proposals)
+            logits = self.runner.run(step_input, out.block_copies)  # [N + sum(n_i + 1), V]
+            self._advance(out.scheduled)  # drafts count once accepted (_verify_and_finish)
+            done.extend(self._sample_and_finish(logits[: len(samplers)], samplers))
+            done.extend(self._verify_and_finish(logits[len(samplers) :], verifiers, proposals))
             done.extend(self._scrub_nonfinite_kv())
+        except BaseException:  # completions already finished are not lost with the step
+            self._done = done + self._done
+            raise
         self.stats.num_steps += 1
         return done
 
@@ -308,7 +310,6 @@ class LLMEngine:
         """Append tokens until one finishes ``seq`` (stop token/string, length); returns how many."""
         for num_emitted, (token_id, logprob) in enumerate(zip(token_ids, logprobs), start=1):
             if not math.isfinite(logprob):  # NaN/inf logits (diverged weights): fail this sequence only
-                self._is_kv_scrub_due = True
                 seq.finish("error", f"request {seq.request_id}: the model's logits are not finite (NaN or "
                            f"inf) at generated token {seq.num_output_tokens}")
                 return num_emitted - 1
@@ -321,29 +322,34 @@ class LLMEngine:
         return len(token_ids)
 
     def _scrub_nonfinite_kv(self) -> list[Completion]:
-        """After a sequence failed on non-finite logits, no NaN/inf key or value is read again.
-
-        Masked and padded reads multiply stale slots by a zero attention weight, and NaN * 0 is NaN:
-        a sequence that next owned one of its blocks (or a decode copy's slot) would fail too.
-        Running sequences that hold such a block fail (their context is garbage), with their
-        unforked samples; the blocks leave the prefix cache and are zeroed; every decode copy is
-        dropped and gathered again from the pool. A scan of the pool: only when logits went bad.
+        """After a forward computed NaN/inf hidden states (so NaN/inf KV), no such key or value is
+        read again: masked and padded reads multiply stale slots by a zero attention weight, and
+        NaN * 0 is NaN, so a sequence that next owned the block would fail too. The pool's NaN/inf
+        slots are zeroed (``ModelRunner.scrub_nonfinite_kv``); running sequences whose own context
+        held one fail now, with their unforked samples, whether or not they sampled in this step
+        (a prompt aborted or preempted mid-prefill would otherwise free them unseen); the blocks
+        leave the prefix cache. In a draft model's pool, the sequences it overflowed on stop
+        drafting. A scan of the pool, only after such a step.
         """
-        self._is_kv_scrub_due = False
-        bad = self.runner.cache.nonfinite_blocks()
+        draft = getattr(self.proposer, "runner", None)
+        is_draft_bad = draft is not None and draft.saw_nonfinite()
+        if not self.runner.saw_nonfinite() and not is_draft_bad:
+            return []
+        running = [seq for seq in self.scheduler.running if not seq.is_finished]
+        poisoned, bad_blocks = self.runner.scrub_nonfinite_kv(running, lambda seq: seq.num_computed_tokens)
         done: list[Completion] = []
-        for seq in list(self.scheduler.running):
-            if seq.is_finished or set(seq.block_table).isdisjoint(bad):
-                continue
+        for seq in poisoned:
             for member in [seq, *seq.followers]:
                 member.finish("error", f"request {seq.request_id}: its KV cache holds non-finite values (NaN or "
                               "inf), computed from this context by the current weights")
                 self._collect_if_finished(member, done)
             seq.followers = []
         self.scheduler.remove_finished()
-        self.block_manager.forget(bad)
-        self.runner.cache.zero_blocks(bad)
-        self.runner.decode_kv.zero_()
+        self.block_manager.forget(bad_blocks)
+        if is_draft_bad:
+            stale, _ = draft.scrub_nonfinite_kv(running, lambda seq: seq.num_draft_computed_tokens)
+            for seq in stale:
+                seq.is_draft_off = True
         return done
 
     # ------------------------------------------------------------------ batch API

@@ -71,20 +71,25 @@ class KVCache:
         attention weight is NaN)."""
         return self.k.shape[1] - 1
 
-    def zero_blocks(self, block_ids: list[int]) -> None:
-        """Zero ``block_ids`` in every layer."""
-        if block_ids:
-            index = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-            self.k.index_fill_(1, index, 0)
-            self.v.index_fill_(1, index, 0)
-
-    def nonfinite_blocks(self) -> list[int]:
-        """The blocks holding a NaN or infinite key or value in any layer (a layer at a time)."""
-        is_bad = torch.zeros(self.k.shape[1], dtype=torch.bool, device=self.k.device)
+    def nonfinite_slots(self) -> torch.Tensor:
+        """bool ``[blocks, block_size]`` (on the CPU): the slots holding a NaN or infinite key or value
+        in any layer or head (a layer at a time)."""
+        num_blocks, block_size = self.k.shape[1], self.k.shape[2]
+        is_bad = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=self.k.device)
         for pool in (self.k, self.v):
             for layer in pool:
-                is_bad |= ~torch.isfinite(layer).view(layer.shape[0], -1).all(dim=1)
-        return is_bad.nonzero().view(-1).tolist()
+                is_bad |= ~torch.isfinite(layer).view(num_blocks, block_size, -1).all(dim=-1)
+        return is_bad.cpu()
+
+    def nonfinite_blocks(self) -> list[int]:
+        """The blocks holding a NaN or infinite key or value in any slot."""
+        return self.nonfinite_slots().any(dim=1).nonzero().view(-1).tolist()
+
+    def zero_slots(self, slots: torch.Tensor) -> None:
+        """Zero the slots ``slots`` (bool ``[blocks, block_size]``) in every layer and head."""
+        mask = slots.to(self.k.device)[None, :, :, None, None]
+        self.k.masked_fill_(mask, 0)
+        self.v.masked_fill_(mask, 0)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply copy-on-write block copies, all layers at once."""

@@ -8,16 +8,19 @@ small model the vocabulary projection would otherwise dominate the step.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
 from tether.engine.cpu_kernels import PackedWeights, pack_linears, sample_view
 from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.engine.native import decode_attention_kernel
+from tether.engine.sequence import Sequence
 from tether.errors import CheckpointError
 from tether.models.attention import AttentionBackend
 
@@ -103,6 +106,7 @@ class ModelRunner:
             # native oneDNN bf16: cpu_kernels).
             self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears)
         self.weights = WeightsWatch(model)  # what the KV was computed with: changes outside load_weights
+        self._finite_checks: list[torch.Tensor] = []  # per forward since saw_nonfinite(): all finite?
 
     @torch.inference_mode()
     def run(self, step: StepInput, block_copies: list[tuple[int, int]]) -> torch.Tensor:
@@ -122,10 +126,42 @@ class ModelRunner:
             except BaseException:
                 self.decode_kv.clear()  # slots may hold this step's keys in some layers only
                 raise
+            # A NaN/inf hidden state is NaN/inf KV from its layer on: read by saw_nonfinite after the
+            # step's sampling (no host sync here).
+            self._finite_checks.append(torch.isfinite(hidden).all())
             if not step.logits_index:
                 return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
             index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
             return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
+
+    def saw_nonfinite(self) -> bool:
+        """Whether a forward since the last call computed a NaN or infinite hidden state (prefill
+        chunks too, which sample nothing). Clears the record."""
+        checks, self._finite_checks = self._finite_checks, []
+        return bool(checks) and not bool(torch.stack(checks).all())
+
+    @torch.inference_mode()
+    def scrub_nonfinite_kv(
+        self, seqs: list[Sequence], num_valid: Callable[[Sequence], int]
+    ) -> tuple[list[Sequence], list[int]]:
+        """Zero every NaN/inf slot of the pool. Returns the sequences of ``seqs`` whose context held one
+        (the first ``num_valid(seq)`` tokens of its block table), whose KV is garbage, and the blocks
+        that held one. Other such slots are stale (a failed, aborted or preempted sequence's), and
+        masked reads multiply them by a zero weight: NaN * 0 is NaN, so they are zeroed. The decode
+        copies are dropped when any slot was bad (gathered again from the pool)."""
+        is_bad = self.cache.nonfinite_slots()  # [blocks, block_size]
+        bad_blocks = is_bad.any(dim=1).nonzero().view(-1).tolist()
+        if not bad_blocks:
+            return [], []
+        bad, size = set(bad_blocks), self.block_size
+        poisoned = [
+            seq for seq in seqs
+            if any(block in bad and bool(is_bad[block, : max(0, min(size, num_valid(seq) - i * size))].any())
+                   for i, block in enumerate(seq.block_table))
+        ]
+        self.cache.zero_slots(is_bad)
+        self.decode_kv.zero_()
+        return poisoned, bad_blocks
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -154,12 +190,13 @@ class WeightsWatch:
     """Whether a model's parameters changed since ``mark()``, however they were changed.
 
     A change is a new parameter object in a slot (``load_state_dict(assign=True)``), a new version
-    (in-place writes: ``load_state_dict``, most optimizers' steps), a new storage (``.to()``), or new
-    bits in ``NUM_SAMPLES`` entries of each of the ``NUM_WATCHED`` largest trainable parameters, for
-    steps no counter records: torch's fused AdamW (``tether.training``'s optimizer) leaves the
-    counters alone, and an optimizer step moves nearly every entry of what it trains. Writes through
-    ``.data`` to other parameters, or to few entries, go unseen. ~50 us a step for a 6-layer model
-    (sampling every parameter's entries took ~300 us: ``torch.cat`` costs ~1.5 us per tensor).
+    (in-place writes: ``load_state_dict``, most optimizers' steps), a new storage (``.to()``), a step
+    of any ``torch.optim`` optimizer over one of its parameters (a global step hook: torch's fused
+    AdamW, ``tether.training``'s optimizer, leaves the version counters alone), or new bits in
+    ``NUM_SAMPLES`` entries of each of the ``NUM_WATCHED`` largest trainable parameters, for other
+    writes no counter records. Writes through ``.data`` to other parameters, or to few entries, go
+    unseen. ~45 us a step for a 6-layer model (sampling every parameter's entries took ~300 us:
+    ``torch.cat`` costs ~1.5 us per tensor).
     """
 
     NUM_WATCHED = 8
@@ -169,20 +206,34 @@ class WeightsWatch:
         # (a module's parameter dict, a name) for every parameter slot, listed once: walking the
         # modules each step (``model.parameters()``) took ~260 us for a 6-layer model.
         self._slots = [(m._parameters, name) for m in model.modules() for name in m._parameters]
+        self._is_stepped = False  # an optimizer stepped one of the parameters since mark()
         self.mark()
+        watch = weakref.ref(self)
+
+        def on_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            this = watch()
+            if this is not None and any(id(p) in this._param_ids for group in optimizer.param_groups
+                                        for p in group["params"]):
+                this._is_stepped = True
+
+        handle = register_optimizer_step_post_hook(on_step)
+        weakref.finalize(self, handle.remove)
 
     def mark(self) -> None:
         """The parameters as they are now are the ones the engine's KV is computed with."""
         params = self._params()
         self._keys = self._keys_of(params)
+        self._param_ids = frozenset(id(p) for p in params)
         trainable = [p for p in params if p.requires_grad] or params
         largest = sorted(trainable, key=lambda p: p.numel(), reverse=True)[: self.NUM_WATCHED]
         self._views = [view for p in largest if (view := sample_view(p, self.NUM_SAMPLES)) is not None]
         self._bits = self._bits_now()
+        self._is_stepped = False
 
     def changed(self) -> bool:
         # Same keys: the same objects and storages, so the sampled views still read the parameters.
-        return self._keys_of(self._params()) != self._keys or not torch.equal(self._bits_now(), self._bits)
+        return (self._is_stepped or self._keys_of(self._params()) != self._keys
+                or not torch.equal(self._bits_now(), self._bits))
 
     def _params(self) -> list[torch.Tensor]:
         return [p for params, name in self._slots if (p := params[name]) is not None]

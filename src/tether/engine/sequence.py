@@ -47,6 +47,8 @@ class Sequence:
     # Tokens whose draft-model KV (speculative decoding) is in this sequence's blocks: the draft's
     # own pool shares the block tables. Lags num_computed_tokens; reset with it on preemption.
     num_draft_computed_tokens: int = 0
+    # True once the draft model computed NaN/inf for this context: no more drafts for it (plain steps).
+    is_draft_off: bool = False
     # True once a weight update lands while this sequence holds KV from the old weights: it keeps
     # that KV (the engine's default policy) but its blocks must never enter the prefix cache.
     is_kv_stale: bool = False

@@ -157,16 +157,21 @@ class DraftModelProposer:
         self, seqs: list[Sequence], max_num_tokens: list[int], block_copies: list[tuple[int, int]]
     ) -> list[Proposal]:
         self.runner.cache.copy_blocks(block_copies)  # keep the draft pool in step with the target's
-        limits = [min(self.num_tokens, num) for num in max_num_tokens]
-        num_steps = [limit + (not seq.params.is_greedy) for seq, limit in zip(seqs, limits)]  # + the tail
+        limits = [0 if seq.is_draft_off else min(self.num_tokens, num) for seq, num in zip(seqs, max_num_tokens)]
+        num_steps = [0 if seq.is_draft_off else limit + (not seq.params.is_greedy)  # + the tail
+                     for seq, limit in zip(seqs, limits)]
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         tails: list[torch.Tensor | None] = [None] * len(seqs)
         for j in range(max(num_steps, default=0)):
             active = [i for i, num in enumerate(num_steps) if num > j]
             tokens, q = self._draft_step([seqs[i] for i in active], [drafts[i] for i in active])
+            is_finite = torch.isfinite(q).all(dim=-1).tolist()
             for row, i in enumerate(active):
-                if j < limits[i]:
+                if not is_finite[row]:  # the draft overflows on this context: plain steps from here on
+                    seqs[i].is_draft_off = True
+                    num_steps[i], drafts[i], probs[i], tails[i] = 0, [], [], None
+                elif j < limits[i]:
                     drafts[i].append(tokens[row])
                     probs[i].append(q[row])
                 else:
@@ -214,28 +219,30 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -
     """
     k = max(p.num_tokens for p in drafts)
     device = logits.device
-    row_params = _repeat_params(seqs, drafts)
-    logprobs = _pad_rows(processed_logprobs(logits, row_params), drafts, k)  # [S, K + 1, V]
     num_drafts = torch.tensor([p.num_tokens for p in drafts], device=device)
     draft_ids = torch.tensor([p.token_ids + [0] * (k - p.num_tokens) for p in drafts], dtype=torch.long,
                              device=device)  # [S, K]: K may be 0 (tails only)
-    if all(seq.params.is_greedy for seq in seqs):  # the common eval case: no draws, no residuals
-        return accept_greedy(logprobs, draft_ids, num_drafts)
-    is_greedy = torch.tensor([seq.params.is_greedy for seq in seqs], device=device)
-    if all(p.draft_probs is None and p.tail_probs is None for p in drafts):
+    is_all_greedy = all(seq.params.is_greedy for seq in seqs)
+    if not is_all_greedy and all(p.draft_probs is None and p.tail_probs is None for p in drafts):
         # Point masses (prompt lookup): the coupled test, one draw per token from the plain stream,
-        # each drawn as a plain step draws it (the same sampling path, so the same rounding).
+        # each drawn as a plain step draws it (the same sampling path, so the same rounding), with
+        # the log-prob a plain step reports.
         uniforms = draw_at([seq.rng for seq in seqs], np.tile(np.arange(k + 1, dtype=np.uint64), (len(seqs), 1)),
                            [0] * len(seqs))
         padded_params = [seq.params for seq in seqs for _ in range(k + 1)]
         plain = sample_with_uniforms(_pad_rows(logits, drafts, k).view(len(seqs) * (k + 1), -1), padded_params,
-                                     uniforms.view(-1).to(device))
-        plain_ids = torch.tensor(plain.token_ids, device=device).view(len(seqs), k + 1)
-        verdict = accept_coupled(logprobs, draft_ids, num_drafts, plain_ids)
+                                     uniforms.view(-1).to(device), may_overwrite=True)  # a copy: ours
+        shape = (len(seqs), k + 1)
+        verdict = accept_coupled(draft_ids, num_drafts, torch.tensor(plain.token_ids, device=device).view(shape),
+                                 torch.tensor(plain.logprobs, device=device).view(shape))
         for seq, num_accepted in zip(seqs, verdict.num_accepted.tolist()):
             if not seq.params.is_greedy:
                 seq.rng.num_draws += num_accepted + 1  # the draws of the tokens emitted, as plain steps
         return verdict
+    logprobs = _pad_rows(processed_logprobs(logits, _repeat_params(seqs, drafts)), drafts, k)  # [S, K + 1, V]
+    if is_all_greedy:  # the common eval case: no draws, no residuals
+        return accept_greedy(logprobs, draft_ids, num_drafts)
+    is_greedy = torch.tensor([seq.params.is_greedy for seq in seqs], device=device)
     draft_ids, draft_probs, has_tail = _with_tails(seqs, drafts, draft_ids, logprobs.new_zeros(logprobs.shape))
     # Output position t + j of each row: its acceptance draw and its stop draw (module docstring).
     positions = np.array([seq.num_output_tokens for seq in seqs])[:, None] + np.arange(k + 1)  # [S, K + 1]
@@ -293,22 +300,21 @@ def accept_greedy(logprobs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
 
 
 def accept_coupled(
-    logprobs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor, plain_ids: torch.Tensor
+    draft_ids: torch.Tensor, num_drafts: torch.Tensor, plain_ids: torch.Tensor, plain_logprobs: torch.Tensor
 ) -> Verdict:
     """The test for point-mass drafts, coupled to plain sampling (module docstring).
 
-    logprobs ``[S, K + 1, V]``, draft_ids ``[S, K]``, num_drafts ``[S]`` as in ``accept_drafts``;
-    plain_ids ``[S, K + 1]``: the token a plain step emits at each position (its argmax for a greedy
-    row; ``sample_with_uniforms`` with the uniform of the step's i-th token in column i). Accepted
-    drafts equal it, and the first position that differs is the step's last token, so these are the
-    verdict's tokens as they stand.
+    draft_ids ``[S, K]``, num_drafts ``[S]`` as in ``accept_drafts``; plain_ids ``[S, K + 1]``: the
+    token a plain step emits at each position (``sample_with_uniforms`` with the uniform of the
+    step's i-th token in column i; a greedy row's argmax), plain_logprobs ``[S, K + 1]`` their
+    log-probs. Accepted drafts equal it, and the first position that differs is the step's last
+    token, so these are the verdict's tokens as they stand.
     """
-    k = logprobs.shape[1] - 1
+    k = draft_ids.shape[1]
     is_accepted = plain_ids[:, :k] == draft_ids
-    is_accepted &= torch.arange(k, device=logprobs.device)[None, :] < num_drafts[:, None]
+    is_accepted &= torch.arange(k, device=draft_ids.device)[None, :] < num_drafts[:, None]
     num_accepted = is_accepted.long().cumprod(dim=-1).sum(dim=-1)  # [S]
-    token_logprobs = logprobs.gather(-1, plain_ids[..., None]).squeeze(-1)  # [S, K + 1]
-    return Verdict(plain_ids, token_logprobs, num_accepted)
+    return Verdict(plain_ids, plain_logprobs, num_accepted)
 
 
 def accept_drafts(
