@@ -229,6 +229,27 @@ def test_weights_changed_outside_update_weights_are_not_served_from_the_prefix_c
     assert after.versions == [0] * 6  # no update_weights: the version stays
 
 
+def test_a_prompt_mid_prefill_at_a_weight_update_samples_from_the_new_weights_alone(qwen2_path):
+    """With the default policy (keep the KV of sequences in flight), a sequence that has sampled
+    nothing yet recomputes its prompt: its tokens all carry the new version, so their context must
+    be the new weights' too (the loop's S = 0 counts such a group as on-policy)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    prompt = list(range(20, 32))
+    engine = make_engine(qwen2_path, max_num_batched_tokens=4)
+    engine.add_request(prompt, params)
+    assert engine.step() == []  # the first 4 prompt tokens' KV, under version 0
+    new_weights = [(name, p.detach() * 1.1) for name, p in engine.model.named_parameters()]
+    engine.update_weights(new_weights, version=1)
+    finished = []
+    while engine.has_unfinished():
+        finished.extend(engine.step())
+    fresh = make_engine(qwen2_path)
+    fresh.update_weights(new_weights, version=1)
+    expected = fresh.generate([prompt], params)[0]
+    assert finished[0].versions == [1] * 6
+    assert_same_completions(finished, [expected])
+
+
 def test_recompute_kv_on_update_matches_a_fresh_run(qwen2_path):
     engine = make_engine(qwen2_path, recompute_kv_on_update=True)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)

@@ -23,9 +23,11 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.3
     enable_prefix_caching: bool = True  # reuse computed full blocks across requests (hash chain)
     enable_chunked_prefill: bool = True  # split long prompts over steps to respect the token budget
-    # On a weight update, running sequences keep the KV computed under the old weights (cheaper, and
-    # the per-token ``versions`` already record which policy produced each token). True instead
-    # preempts them so their whole context is recomputed under the new weights.
+    # On a weight update, running sequences that have sampled keep the KV computed under the old
+    # weights (cheaper, and the per-token ``versions`` record which policy produced each token); one
+    # that has sampled nothing yet (a prompt mid-prefill) recomputes it, so that all its tokens come
+    # from one policy. True instead preempts every running sequence: its whole context is recomputed
+    # under the new weights.
     recompute_kv_on_update: bool = False
     stop_token_ids: tuple[int, ...] = ()  # added to every request's stop ids (e.g. the tokenizer's EOS)
     seed: int = 0  # seeds requests that bring no seed of their own

@@ -416,9 +416,13 @@ class LLMEngine:
         self.block_manager.flush_prefix_cache()
         if self.config.recompute_kv_on_update:
             self.stats.num_preemptions += self.scheduler.preempt_all()
-        else:
-            for seq in self.scheduler.running:
-                seq.is_kv_stale = True
+            return
+        # One that has sampled nothing starts over: every token it samples then comes from the new
+        # weights alone, context included (the loop's S = 0 counts such a group as on-policy).
+        self.stats.num_preemptions += self.scheduler.preempt_all(
+            lambda seq: seq.num_output_tokens == 0 and seq.num_computed_tokens > 0)
+        for seq in self.scheduler.running:
+            seq.is_kv_stale = True
 
     # ------------------------------------------------------------------ helpers
 

@@ -16,6 +16,7 @@ reservation is dropped rather than preempting anyone for it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tether.engine.block_manager import BlockManager
@@ -160,10 +161,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def preempt_all(self) -> int:
-        """Preempt every running sequence, oldest ending first in line; returns how many."""
-        victims = self.running
-        self.running = []
+    def preempt_all(self, only: Callable[[Sequence], bool] | None = None) -> int:
+        """Preempt every running sequence (those ``only`` picks), oldest ending first in line;
+        returns how many."""
+        victims = [seq for seq in self.running if only is None or only(seq)]
+        self.running = [seq for seq in self.running if not (only is None or only(seq))]
         for seq in reversed(victims):
             self._preempt(seq)
         return len(victims)
