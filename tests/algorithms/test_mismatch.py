@@ -16,6 +16,7 @@ KEYS = {
     "is/ess",
     "is/clip_frac",
     "is/masked_frac",
+    "mismatch/outside_support_frac",
 }
 
 
@@ -31,6 +32,7 @@ def test_hand_computed_metrics_with_raw_ratios():
         "is/ess": 3.5**2 / (3 * (4 + 0.25 + 1)),  # 12.25 / 15.75 = 0.777778
         "is/clip_frac": 1 / 3,  # the weight 2 sits at cap
         "is/masked_frac": 0.0,
+        "mismatch/outside_support_frac": 0.0,
     }
     for key, value in expected.items():
         assert math.isclose(out[key], value, rel_tol=1e-5, abs_tol=1e-6), key
@@ -73,3 +75,14 @@ def test_staleness_hand_computed():
 def test_staleness_of_empty_batch():
     out = staleness_metrics(torch.zeros(0, dtype=torch.long))
     assert out == {"staleness/mean": 0.0, "staleness/max": 0, "staleness/hist": {}}
+
+
+def test_a_token_outside_the_trainers_support_is_counted_not_averaged():
+    """The trainer's top-k/top-p set moved since the engine sampled a token: its log-prob is -inf
+    there. The metrics stay finite and count it."""
+    logp_trainer = LOGP_TRAINER.clone()
+    logp_trainer[0, 1] = float("-inf")
+    out = mismatch_metrics(logp_trainer, LOGP_ENGINE, MASK, cap=2.0)
+    assert all(math.isfinite(value) for value in out.values())
+    assert math.isclose(out["mismatch/outside_support_frac"], 1 / 3, rel_tol=1e-6)
+    assert math.isclose(out["mismatch/abs_logp_diff"], math.log(2) / 2, rel_tol=1e-5)  # over the other two

@@ -85,6 +85,25 @@ def test_masked_padding_with_minus_inf_logprobs_contributes_nothing_and_no_nan()
         logp.grad = None
 
 
+def test_a_valid_token_outside_the_top_k_set_of_the_policy_adds_nothing_and_no_nan():
+    """A stale token (or one at a near-tie) the trainer's top-k/top-p set no longer holds: -inf under
+    the proximal and the current policy, finite under the engine that sampled it. -inf - -inf was a
+    NaN loss, and one step turned every weight NaN."""
+    for logp_old_value in (float("-inf"), -1.0):  # outside both policies' sets, or the current one's only
+        logp = torch.tensor([[-0.5, float("-inf")]], requires_grad=True)
+        logp_old = torch.tensor([[-0.5, logp_old_value]])
+        mask = torch.tensor([[True, True]])
+        for name in POLICY_LOSSES.names():
+            loss, stats = POLICY_LOSSES.get(name)(
+                logp, logp_old, torch.tensor([1.0]), mask, logp_behav=torch.tensor([[-0.5, -2.0]])
+            )
+            assert loss[0, 1].item() == 0.0 and torch.isfinite(loss).all()
+            loss.sum().backward()
+            assert torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0.0
+            assert all(torch.isfinite(value) for value in (stats.clip_frac, stats.approx_kl, stats.ratio_mean))
+            logp.grad = None
+
+
 def test_decoupled_ppo_with_prox_equal_behav_is_ppo_clip():
     generator = torch.Generator().manual_seed(0)
     logp_behav = -torch.rand(3, 5, generator=generator)

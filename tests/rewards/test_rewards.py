@@ -191,6 +191,10 @@ class _FloatRaises(float):
     ([1.0], "returned [1.0]"),
     ({"format": 1.0, "correct": "yes"}, "sub-score 'correct' is not a finite number"),
     ({"format": float("nan")}, "sub-score 'format'"),
+    # Finite in Python, but its square overflows the float32 advantages (one NaN step ruins the weights)
+    (1e39, "returned 1e+39, not a finite number within +-1e+15"),
+    ({"a": 1.7e308, "b": 1.7e308}, "sub-score 'a' is not a finite number within"),
+    ({"a": 9e14, "b": 9e14}, "its sub-scores sum to 1.8e+15, beyond +-1e+15"),
 ])
 def test_broken_function_is_counted_and_scores_zero(bad_value, fragment):
     good = WeightedReward("good", lambda prompt, completion, **fields: 0.5, 2.0)

@@ -94,3 +94,37 @@ def test_reward_modules_are_imported_once_in_a_sync_run(tmp_path, tiny_policy):
     config = tiny_config("trainer.max_steps=1", f"rewards=[{{fn: '{reward}:score'}}]")
     run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
     assert log.read_text() == "x"
+
+
+def test_an_async_run_whose_groups_start_failing_mid_run_stops_with_one_line(tiny_policy):
+    """Groups that fail after some finished (the policy diverged to NaN weights) stop the run after 3
+    batches' worth, as in the sync loop, instead of spinning until ``max_wait_s`` (10 minutes)."""
+    import time
+
+    import torch
+
+    from tether.algorithms.registry import ADVANTAGES
+    from tether.recipes.grpo import build_trainer
+    from tether.rollout.async_loop import AsyncRLComponents, async_rl_step
+    from tether.rollout.buffer import RolloutBuffer
+    from tether.rollout.local_backend import InProcessTransport
+    from tether.rollout.sync_loop import LoopState
+
+    model, tokenizer = tiny_policy
+    config = tiny_config("rollout.mode=async", "rollout.max_staleness=1")
+    policy = copy.deepcopy(model)
+    r = config.rollout
+    components = AsyncRLComponents(
+        InProcessTransport(build_generator_worker(config, copy.deepcopy(model), tokenizer)),
+        build_trainer(config, policy), RolloutBuffer(r.max_staleness), ADVANTAGES.get("grpo"),
+        r.prompts_per_step, r.group_size)
+    state = LoopState()
+    async_rl_step(components, state)
+    with torch.no_grad():
+        policy.model.embed_tokens.weight.fill_(float("nan"))
+    components.transport.publish_weights(policy.named_parameters(), state.policy_version)
+    start = time.monotonic()
+    with pytest.raises(RequestError, match="groups in a row since the last one finished.*not finite"):
+        for _ in range(10):
+            async_rl_step(components, state)
+    assert time.monotonic() - start < 120

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ from tether.metrics import read_metrics
 from tether.recipes import run_train
 from tether.recipes.grpo import build_generator_worker, run_grpo
 from tether.rollout.generator_worker import GeneratorCounters
-from tether.rollout.local_backend import GeneratorCrashedError, HandoverTransport, ProcessTransport
+from tether.rollout.local_backend import GeneratorCrashedError, HandoverTransport, ProcessTransport, TrainerWatch
 from tether.rollout.weights import SharedWeights
 from tether.training.scoring import SamplingView, completion_logprobs
 
@@ -218,3 +219,14 @@ def test_generator_processes_fork_from_a_server_that_imported_their_modules_once
     out = subprocess.run([sys.executable, "probe.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+def test_a_generator_sees_its_trainer_gone():
+    """A trainer killed by SIGKILL, the OOM killer or a time limit sets no stop event: its generator
+    process checks the trainer's pid (every 0.5 s at most) and exits instead of spinning as an orphan."""
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+    gone = TrainerWatch(int(finished.stdout))
+    assert gone.is_gone()
+    alive = TrainerWatch(os.getpid())
+    assert not alive.is_gone() and not TrainerWatch(0).is_gone()

@@ -9,7 +9,10 @@ Samples come from the engine (behaviour policy), so with log ratio d = logp_trai
 * ``is/mean``, ``is/ess``: mean and normalised effective sample size (sum w)^2 / (N sum w^2) of the
   importance weights over the kept valid tokens (Kong 1992; 1 = all weights equal);
 * ``is/clip_frac``: fraction of kept valid tokens whose weight sits at ``cap`` (truncated);
-* ``is/masked_frac``: fraction of valid tokens the correction dropped.
+* ``is/masked_frac``: fraction of valid tokens the correction dropped;
+* ``mismatch/outside_support_frac``: fraction of valid tokens the trainer gives probability 0
+  (outside its top-k/top-p set: stale samples, near-ties at the set's edge); the means above
+  leave them out, and so does the policy loss.
 
 All reductions stay on the device; the one host sync is the final ``.tolist()``.
 """
@@ -26,6 +29,7 @@ MISMATCH_KEYS = (
     "is/ess",
     "is/clip_frac",
     "is/masked_frac",
+    "mismatch/outside_support_frac",
 )
 
 
@@ -47,9 +51,11 @@ def mismatch_metrics(
     without ``cap`` nothing counts as clipped. An empty mask gives all zeros, not NaN.
     """
     with torch.no_grad():
+        valid = mask
+        mask = valid & torch.isfinite(logp_trainer) & torch.isfinite(logp_engine)
         log_ratio = torch.where(mask, logp_trainer.float() - logp_engine.float(), 0.0)  # [B, T]
         kept = mask if keep_mask is None else keep_mask & mask
-        weights = log_ratio.exp() if is_weights is None else is_weights.float()
+        weights = log_ratio.exp() if is_weights is None else torch.where(kept, is_weights.float(), 0.0)
         weights = torch.where(kept, weights, 0.0)
         num_kept = kept.sum().clamp(min=1)
         sum_w = weights.sum()
@@ -65,6 +71,7 @@ def mismatch_metrics(
                 sum_w.square() / (num_kept * sum_w_sq).clamp(min=torch.finfo(torch.float32).tiny),
                 _masked_mean(is_clipped.float(), kept),
                 (mask.sum() - kept.sum()) / mask.sum().clamp(min=1),
+                (valid.sum() - mask.sum()) / valid.sum().clamp(min=1),
             ]
         )
     return dict(zip(MISMATCH_KEYS, values.tolist()))  # the one host sync

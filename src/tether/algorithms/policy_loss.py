@@ -62,13 +62,18 @@ def _clipped_surrogate(
     """-w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), r = exp(logp - logp_old). All [B, T]."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # [B] -> [B, 1], broadcast over tokens
-    # Padding may hold -inf log-probs; zeroing the log-ratio first keeps NaN out of the backward.
+    # A token outside the top-k/top-p set of the proximal or the current policy (the set moved since
+    # the engine sampled it, or a near-tie at its edge) has probability 0 there and no ratio
+    # (-inf - -inf is NaN, and one NaN step ruins the weights): it adds nothing, as its gradient
+    # (pi = 0) would. Padding may hold -inf too; zeroing the log-ratio and the weights outside the
+    # mask first keeps NaN out of the backward (where() sends 0 to the other branch, and 0 * NaN).
+    mask = mask & torch.isfinite(logp_old.detach()) & torch.isfinite(logp.detach())
     log_ratio = torch.where(mask, logp - logp_old.detach(), 0.0)  # [B, T]
     ratio = log_ratio.exp()
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     surrogate = torch.minimum(unclipped, clipped)
-    loss = torch.where(mask, -weights.detach() * surrogate, 0.0)  # [B, T]
+    loss = torch.where(mask, -torch.where(mask, weights.detach(), 0.0) * surrogate, 0.0)  # [B, T]
     with torch.no_grad():
         stats = PolicyLossStats(
             clip_frac=_masked_mean((clipped < unclipped).float(), mask),

@@ -79,7 +79,13 @@ class RewardComputer:
                 for key, value in parts.items():
                     name = reward.name if key == "" else f"{reward.name}/{key}"
                     result.components.setdefault(name, [0.0] * num)[i] = value
-                result.totals[i] += reward.weight * score
+                weighted = reward.weight * score
+                if not abs(weighted) <= MAX_ABS_REWARD:  # a large weight times a large score
+                    result.num_errors[reward.name] += int(error is None)
+                    result.first_error = result.first_error or (
+                        f"{reward.name}: weight {reward.weight} x score {score} is beyond +-{MAX_ABS_REWARD:g}")
+                    weighted = 0.0
+                result.totals[i] += weighted
         return result
 
 
@@ -95,12 +101,16 @@ def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
             for key, item in value.items():
                 number = _as_number(item)
                 if number is None:
-                    return 0.0, {"": 0.0}, f"sub-score {_repr(key)} is not a finite number: {_repr(item)}"
+                    return 0.0, {"": 0.0}, (f"sub-score {_repr(key)} is not a finite number within "
+                                            f"+-{MAX_ABS_REWARD:g}: {_repr(item)}")
                 parts[str(key)] = number
-            return sum(parts.values()), parts, None
+            total = sum(parts.values())
+            if not abs(total) <= MAX_ABS_REWARD:
+                return 0.0, {"": 0.0}, f"its sub-scores sum to {total:g}, beyond +-{MAX_ABS_REWARD:g}"
+            return total, parts, None
         number = _as_number(value)
         if number is None:
-            return 0.0, {"": 0.0}, f"returned {_repr(value)}, not a finite number"
+            return 0.0, {"": 0.0}, f"returned {_repr(value)}, not a finite number within +-{MAX_ABS_REWARD:g}"
         return number, {"": number}, None
     # User code: any failure is counted, never raised. SystemExit too: a code-execution reward runs
     # model-written code, which may call exit(). Only KeyboardInterrupt (the user) goes through.
@@ -122,6 +132,12 @@ def _str(exc: BaseException) -> str:
         return "<unprintable>"
 
 
+# A score's magnitude cap: beyond it the float32 advantages overflow (a group's variance squares the
+# rewards: 1e20 squared is past float32's 3.4e38) and one NaN step ruins the weights. Such a score
+# counts as an error and scores 0, like a NaN.
+MAX_ABS_REWARD = 1e15
+
+
 def _as_number(value: Any) -> float | None:
     if isinstance(value, bool):
         return float(value)
@@ -131,4 +147,4 @@ def _as_number(value: Any) -> float | None:
         number = float(value)
     except Exception:  # a user type's __float__ may raise anything
         return None
-    return number if math.isfinite(number) else None
+    return number if math.isfinite(number) and abs(number) <= MAX_ABS_REWARD else None

@@ -47,6 +47,7 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
     Groups too stale to train on are dropped and their prompts re-issued, never silently skipped.
     """
     last_progress = time.monotonic()
+    failed_at_progress = c.transport.counters.num_failed  # failures before the last finished group
     while True:
         take = c.buffer.take_batch(c.groups_per_batch, state.policy_version)
         if take.stale:
@@ -56,13 +57,21 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
             return take.groups
         groups = c.transport.poll(c.poll_timeout_s)
         counters = c.transport.counters
-        if not counters.num_finished and counters.num_failed >= MAX_EMPTY_DRAWS * c.groups_per_batch:
-            raise RequestError(f"the engine failed the first {counters.num_failed} groups and finished none; "
-                               f"first failure: {counters.first_failure}")
         if groups:
             c.buffer.add(groups)
             last_progress = time.monotonic()
-        elif time.monotonic() - last_progress > c.max_wait_s:
+            failed_at_progress = counters.num_failed
+            continue
+        # Failing groups with none finishing in between: from the start, or mid-run (weights gone
+        # NaN), a run stops after 3 batches' worth, as the sync loop does, not after max_wait_s.
+        num_in_a_row = counters.num_failed - failed_at_progress
+        if num_in_a_row >= MAX_EMPTY_DRAWS * c.groups_per_batch:
+            if not counters.num_finished:
+                raise RequestError(f"the engine failed the first {counters.num_failed} groups and finished none; "
+                                   f"first failure: {counters.first_failure}")
+            raise RequestError(f"the engine failed {num_in_a_row} groups in a row since the last one finished; "
+                               f"first failure of the run: {counters.first_failure}")
+        if time.monotonic() - last_progress > c.max_wait_s:
             failed = f"; first failure: {counters.first_failure}" if counters.first_failure else ""
             raise TimeoutError(
                 f"no rollout group finished in {c.max_wait_s:.0f}s (buffer holds {len(c.buffer)}, need "

@@ -144,9 +144,38 @@ def _handle(worker: GeneratorWorker, kind: str, payload: Any) -> None:
         worker.load_state_dict(payload)
 
 
-def _wait_for_handover(worker: GeneratorWorker, control: Any, stop: Any) -> bool:
+class TrainerWatch:
+    """Whether the trainer process that started a generator is gone (killed by SIGKILL, the OOM
+    killer, a job's time limit: nothing set ``stop``). A generator checks at most every
+    ``CHECK_S`` and exits, instead of spinning on as an orphan; ``pid`` 0 never reports gone."""
+
+    CHECK_S = 0.5
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._next_check = 0.0
+
+    def is_gone(self) -> bool:
+        now = time.monotonic()
+        if self.pid <= 0 or now < self._next_check:
+            return False
+        self._next_check = now + self.CHECK_S
+        try:
+            os.kill(self.pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # exists, owned by someone else (a reused pid): not ours to judge
+            return False
+        return False
+
+
+def _is_stopped(stop: Any, trainer: TrainerWatch) -> bool:
+    return stop.is_set() or trainer.is_gone()
+
+
+def _wait_for_handover(worker: GeneratorWorker, control: Any, stop: Any, trainer: TrainerWatch) -> bool:
     """Generate nothing until a ``handover`` message brings the state to continue from; False if stopped."""
-    while not stop.is_set():
+    while not _is_stopped(stop, trainer):
         with contextlib.suppress(queue.Empty):
             kind, payload = control.get(timeout=0.05)
             _handle(worker, kind, payload)
@@ -155,9 +184,10 @@ def _wait_for_handover(worker: GeneratorWorker, control: Any, stop: Any) -> bool
     return False
 
 
-def _generate(worker: GeneratorWorker, weights: SharedWeights, control: Any, results: Any, stop: Any) -> None:
+def _generate(worker: GeneratorWorker, weights: SharedWeights, control: Any, results: Any, stop: Any,
+              trainer: TrainerWatch) -> None:
     reported: tuple[int, ...] = ()  # the drop counters last sent: a change is sent even with no group
-    while not stop.is_set():
+    while not _is_stopped(stop, trainer):
         with contextlib.suppress(queue.Empty):
             while True:
                 _handle(worker, *control.get_nowait())
@@ -177,20 +207,22 @@ def _generate(worker: GeneratorWorker, weights: SharedWeights, control: Any, res
 
 def run_generator_process(make_worker: Callable[[], GeneratorWorker], weights: SharedWeights,
                           control: Any, results: Any, stop: Any, num_threads: int,
-                          wait_for_handover: bool = False) -> bool:
+                          wait_for_handover: bool = False, trainer_pid: int = 0) -> bool:
     """The generator process's main loop: control messages, then weights, then one engine step.
 
     Reports ``ready`` once its worker is built; ``wait_for_handover``: then generates nothing until
-    a ``handover`` message brings the state to continue from (``HandoverTransport``). Returns True
-    when stopped cleanly, False after reporting an error.
+    a ``handover`` message brings the state to continue from (``HandoverTransport``). Stops when
+    ``stop`` is set or the process ``trainer_pid`` is gone. Returns True when stopped cleanly,
+    False after reporting an error.
     """
+    trainer = TrainerWatch(trainer_pid)
     if num_threads > 0:
         torch.set_num_threads(num_threads)
     try:
         worker = make_worker()
         results.put(("ready", None, None))
-        if not wait_for_handover or _wait_for_handover(worker, control, stop):
-            _generate(worker, weights, control, results, stop)
+        if not wait_for_handover or _wait_for_handover(worker, control, stop, trainer):
+            _generate(worker, weights, control, results, stop, trainer)
     except Exception:  # reported to the trainer, which raises it; the process then exits
         results.put(("error", traceback.format_exc(), None))
         return False
@@ -229,7 +261,7 @@ class ProcessTransport:
         self._is_ready = False  # the process reported its worker built
         self._process = ctx.Process(target=_generator_process_main, name="tether-generator", daemon=True,
                                     args=(make_worker, weights, self._control, self._results, self._stop,
-                                          num_threads, wait_for_handover))
+                                          num_threads, wait_for_handover, os.getpid()))
         self._process.start()
 
     def is_ready(self) -> bool:

@@ -226,7 +226,11 @@ class PolicyTrainer:
             clip_high=s.clip_high, is_weights=is_weights)
         kl_tokens = torch.zeros_like(logp)
         if logp_ref_all is not None:
-            kl_tokens = torch.where(mask, self.kl(logp, logp_ref_all[index]), 0.0)
+            # Tokens outside either policy's top-k/top-p set (-inf) add no KL term (nor NaN).
+            logp_ref = logp_ref_all[index]
+            kl_mask = mask & torch.isfinite(logp.detach()) & torch.isfinite(logp_ref)
+            kl = self.kl(torch.where(kl_mask, logp, 0.0), torch.where(kl_mask, logp_ref, 0.0))
+            kl_tokens = torch.where(kl_mask, kl, 0.0)
             loss_tokens = loss_tokens + s.kl_coef * kl_tokens
         w = weights[index]
         (w * loss_tokens).sum().backward()
