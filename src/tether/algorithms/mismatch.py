@@ -55,7 +55,7 @@ def mismatch_metrics(
         mask = valid & torch.isfinite(logp_trainer) & torch.isfinite(logp_engine)
         log_ratio = torch.where(mask, logp_trainer.float() - logp_engine.float(), 0.0)  # [B, T]
         kept = mask if keep_mask is None else keep_mask & mask
-        weights = log_ratio.exp() if is_weights is None else torch.where(kept, is_weights.float(), 0.0)
+        weights = log_ratio.exp() if is_weights is None else is_weights.float()
         weights = torch.where(kept, weights, 0.0)
         num_kept = kept.sum().clamp(min=1)
         sum_w = weights.sum()

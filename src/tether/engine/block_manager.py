@@ -163,10 +163,12 @@ class BlockManager:
     def forget(self, block_ids: list[int]) -> None:
         """Take ``block_ids`` out of the prefix cache (their KV must not be reused)."""
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.hash is not None and self._hash_to_block.get(block.hash) == block_id:
-                del self._hash_to_block[block.hash]
-            block.hash, block.parent_hash, block.token_ids = None, None, ()
+            self._unregister(self.blocks[block_id])
+
+    def _unregister(self, block: Block) -> None:
+        if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
+            del self._hash_to_block[block.hash]
+        block.hash, block.parent_hash, block.token_ids = None, None, ()
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies queued by copy-on-write since the last call."""
@@ -182,9 +184,6 @@ class BlockManager:
             raise RuntimeError("KV block pool exhausted; the scheduler must check can_allocate first")
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None:
-            if self._hash_to_block.get(block.hash) == block_id:
-                del self._hash_to_block[block.hash]
-            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        self._unregister(block)
         block.ref_count = 1
         return block

@@ -6,6 +6,7 @@ The j-th uniform of a sample seeded ``s`` is SplitMix64's j-th output (Steele, L
 into [0, 1) -- a float32 that is exact and never 1.0, as ``torch.rand`` draws. The seed is mixed
 into the state, not used as it: seeds that differ by a multiple of gamma (``sample_seed`` derives a
 request's sample seeds with that very constant) would otherwise give one stream shifted by a draw.
+``derived_seed`` (``SamplingParams.for_request``) takes a request's seed from a draw of the run's.
 
 The whole state of a sample's stream is two integers (``SampleRNG``), and a step draws for all its
 rows in a handful of vectorised integer operations instead of one ``torch.rand`` call per row
@@ -50,12 +51,24 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def _draws(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """uint64 arrays (broadcasting) -> draws ``counters`` of the streams ``seeds``, all 64 bits."""
+    z = _mix(seeds ^ _SEED_SALT) + (counters + np.uint64(1)) * _GAMMA  # wraps mod 2**64, as SplitMix64
+    return _mix(z)
+
+
 def counter_uniforms(seeds: np.ndarray, counters: np.ndarray) -> torch.Tensor:
     """uint64 arrays (broadcasting) -> float32 uniforms in [0, 1): draw ``counters`` of the streams
     ``seeds``."""
-    z = _mix(seeds ^ _SEED_SALT) + (counters + np.uint64(1)) * _GAMMA  # wraps mod 2**64, as SplitMix64
-    top = (_mix(z) >> np.uint64(64 - _FLOAT_BITS)).astype(np.float32)  # < 2**24: exact in float32
+    top = (_draws(seeds, counters) >> np.uint64(64 - _FLOAT_BITS)).astype(np.float32)  # exact in float32
     return torch.from_numpy(top * np.float32(1.0 / (1 << _FLOAT_BITS)))
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """A 63-bit seed derived from ``seed`` and ``index``: draw ``index`` of stream ``seed``, so
+    derived seeds look unrelated to each other and to small seeds a person types."""
+    draw = _draws(np.array([seed & _SEED_MASK], dtype=np.uint64), np.array([index], dtype=np.uint64))
+    return int(draw[0]) >> 1
 
 
 def draw_uniforms(rngs: Sequence[SampleRNG], num_per_row: int = 1) -> torch.Tensor:

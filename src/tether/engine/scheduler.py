@@ -164,8 +164,7 @@ class Scheduler:
     def preempt_all(self, only: Callable[[Sequence], bool] | None = None) -> int:
         """Preempt every running sequence (those ``only`` picks), oldest ending first in line;
         returns how many."""
-        victims = [seq for seq in self.running if only is None or only(seq)]
-        self.running = [seq for seq in self.running if not (only is None or only(seq))]
+        victims, self.running = (self.running, []) if only is None else _partition(self.running, only)
         for seq in reversed(victims):
             self._preempt(seq)
         return len(victims)
@@ -196,3 +195,12 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.block_manager.free(seq)
+
+
+def _partition(seqs: list[Sequence], pick: Callable[[Sequence], bool]) -> tuple[list[Sequence], list[Sequence]]:
+    """(the sequences ``pick`` picks, the others), each in order."""
+    picked: list[Sequence] = []
+    others: list[Sequence] = []
+    for seq in seqs:
+        (picked if pick(seq) else others).append(seq)
+    return picked, others

@@ -21,13 +21,14 @@ from typing import Literal, Protocol
 
 import torch
 
+from tether.engine.rng import derived_seed
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 # The smallest positive temperature: below it ``logits / temperature`` overflows fp32 for ordinary
 # logits (inf, then NaN probabilities). 0 is greedy.
 MIN_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: the same as 0 (no top-k)
-_MASK_64 = (1 << 64) - 1
 
 
 def _as_float(name: str, value: object) -> float:
@@ -46,11 +47,6 @@ def _as_int(name: str, value: object) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
-def _mix64(z: int) -> int:
-    """SplitMix64's output function (as ``tether.engine.rng``), on Python ints."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
-    return z ^ (z >> 31)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,14 +114,14 @@ class SamplingParams:
 
         RL must draw fresh randomness for every prompt of every step: reusing one seed would replay
         the same uniforms for sample j of every group, step after step, and bias the gradient. The
-        derived seed keeps the run reproducible: SplitMix64 of (seed, index), so derived seeds look
-        unrelated to each other and to small seeds a user gives (an affine map sent seed 0's request
-        i to seed i + 1, which a prompt line seeded 1 replayed). ``seed=None`` stays None.
+        derived seed keeps the run reproducible: ``rng.derived_seed``, SplitMix64 of (seed, index), so
+        derived seeds look unrelated to each other and to small seeds a user gives (an affine map
+        sent seed 0's request i to seed i + 1, which a prompt line seeded 1 replayed). ``seed=None``
+        stays None.
         """
         if self.seed is None:
             return self
-        state = _mix64((self.seed & _MASK_64) ^ 0x243F6A8885A308D3)
-        return replace(self, seed=_mix64((state + (index + 1) * 0x9E3779B97F4A7C15) & _MASK_64) >> 1)
+        return replace(self, seed=derived_seed(self.seed, index))
 
 
 @dataclass(slots=True)

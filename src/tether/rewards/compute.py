@@ -80,8 +80,8 @@ class RewardComputer:
                     name = reward.name if key == "" else f"{reward.name}/{key}"
                     result.components.setdefault(name, [0.0] * num)[i] = value
                 weighted = reward.weight * score
-                if not abs(weighted) <= MAX_ABS_REWARD:  # a large weight times a large score
-                    result.num_errors[reward.name] += int(error is None)
+                if not abs(weighted) <= MAX_ABS_REWARD:  # a large weight times a large score (a failed
+                    result.num_errors[reward.name] += 1  # call scored 0, so it never gets here)
                     result.first_error = result.first_error or (
                         f"{reward.name}: weight {reward.weight} x score {score} is beyond +-{MAX_ABS_REWARD:g}")
                     weighted = 0.0
