@@ -141,7 +141,8 @@ def num_prefill_steps(num_rows: int, s: BenchSettings) -> int:
     return -(-num_rows * s.max_prompt_tokens // STEP_TOKENS)
 
 
-def tether_engine(model: torch.nn.Module, s: BenchSettings, native_attention: bool = True) -> LLMEngine:
+def tether_engine(model: torch.nn.Module, s: BenchSettings, native_attention: bool = True,
+                  batch_invariant: bool | str = "auto") -> LLMEngine:
     max_len = s.max_prompt_tokens + s.max_budget
     block_size = 16
     num_blocks = s.num_rows * -(-max_len // block_size) + s.num_prompts  # every row at full length
@@ -150,7 +151,7 @@ def tether_engine(model: torch.nn.Module, s: BenchSettings, native_attention: bo
     num_blocks = max(num_blocks, num_decode_rows * -(-decode_len // block_size))
     config = EngineConfig(block_size=block_size, max_num_seqs=max(s.num_rows, num_decode_rows),
                           max_num_batched_tokens=STEP_TOKENS, num_kv_blocks=num_blocks, max_model_len=max_len + 1,
-                          cpu_native_attention=native_attention)
+                          cpu_native_attention=native_attention, batch_invariant=batch_invariant)
     return LLMEngine(model, config=config)
 
 
@@ -321,18 +322,14 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     engine = tether_engine(tether, s)
     kernel = "compiled kernel (tether.engine.native)" if engine.runner.decode_kernel else "PyTorch ops"
     out.append(f"tether decode attention: {kernel}")
+    out.append(f"tether batch invariance (engine.batch_invariant: auto): "
+               f"{'on' if engine.runner.is_batch_invariant else 'off'}")
     run_tether(engine, w.with_budget(s.min_budget), s)  # warm-up: allocator, thread pool
     t_s, t_tokens = best_time(lambda: run_tether(engine, w, s), s.repeats)
     assert t_tokens == w.num_useful_tokens, (t_tokens, w.num_useful_tokens)
     out.append(line("tether LLMEngine (mixed budgets)", t_s, t_tokens))
-    if engine.runner.decode_kernel is not None:  # the kernel's share of the rate: the PyTorch path
-        plain = tether_engine(tether, s, native_attention=False)
-        run_tether(plain, w.with_budget(s.min_budget), s)
-        p_s, p_tokens = best_time(lambda: run_tether(plain, w, s), s.repeats)
-        del plain
-        out.append(line("tether, decode attention by PyTorch ops", p_s, p_tokens))
-        ratio = (t_tokens / t_s) / (p_tokens / p_s)
-        out.append(f"ratio compiled / PyTorch decode attention (mixed budgets): {ratio:.2f}")
+    if engine.runner.decode_kernel is not None:
+        out.extend(compare_tether_paths(s, tether, w, t_tokens / t_s, engine.runner.is_batch_invariant))
     run_hf_generate(hf, w.with_budget(s.min_budget), s)  # the same warm-up
     g_s, g_tokens = best_time(lambda: run_hf_generate(hf, w, s), s.repeats)
     out.append(line("transformers generate (mixed budgets)", g_s, g_tokens))
@@ -351,6 +348,25 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     h_s, h_tokens = best_time(lambda: run_hf_generate(hf, uniform, s), s.repeats)
     out.append(line("transformers generate (uniform budgets)", h_s, h_tokens))
     out.append(f"ratio tether / generate (uniform budgets): {(u_tokens / u_s) / (h_tokens / h_s):.2f}")
+
+
+def compare_tether_paths(s: BenchSettings, tether: torch.nn.Module, w: Workload, rate: float,
+                         is_invariant: bool) -> list[str]:
+    """What batch invariance costs (the default engine against one without it) and what the compiled
+    decode attention gives (without invariance, against PyTorch ops), on the mixed workload."""
+    rates, lines = {}, []
+    for name, native, invariant in [("without batch invariance", True, False),
+                                    ("decode attention by PyTorch ops", False, False)]:
+        engine = tether_engine(tether, s, native_attention=native, batch_invariant=invariant)
+        run_tether(engine, w.with_budget(s.min_budget), s)
+        seconds, tokens = best_time(lambda: run_tether(engine, w, s), s.repeats)  # noqa: B023 (called here)
+        rates[name] = tokens / seconds
+        lines.append(line(f"tether, {name}", seconds, tokens))
+    if is_invariant:
+        lines.append(f"ratio batch-invariant / not (mixed budgets): {rate / rates['without batch invariance']:.2f}")
+    ratio = rates["without batch invariance"] / rates["decode attention by PyTorch ops"]
+    lines.append(f"ratio compiled / PyTorch decode attention (mixed budgets, both without invariance): {ratio:.2f}")
+    return lines
 
 
 def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload,

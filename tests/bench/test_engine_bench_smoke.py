@@ -65,6 +65,11 @@ def test_engine_bench_prints_rates_and_ratios(dtype: str) -> None:
         assert abs(float(need.group(1)) - 10 * paged[1]) <= 0.01 * 10 * paged[1] + 0.1
     assert "with 1 threads" in out
     assert f"vocab 1024, {name};" in out
+    if "tether decode attention: compiled kernel" in out:  # fp32 where a compiler is: the default is invariant
+        assert ("tether batch invariance (engine.batch_invariant: auto): on" in out) == (dtype == "float32"), out
+        assert rates["tether, without batch invariance"][0] == mixed
+        cost = re.search(r"^ratio batch-invariant / not \(mixed budgets\): (\d+\.\d+)$", out, re.MULTILINE)
+        assert (cost is not None) == (dtype == "float32"), out
 
 
 def test_workload_flops_by_hand() -> None:

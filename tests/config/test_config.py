@@ -292,3 +292,12 @@ def test_a_temperature_too_small_to_divide_the_logits_by_is_rejected():
     assert config_error(overrides=["rollout.temperature=1e-9"]) == (
         "config: rollout.temperature: must be 0 (greedy) or at least 1e-05, got 1e-09")
     assert load_config(None, ["rollout.temperature=0"]).rollout.temperature == 0.0
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("false", False), ("auto", "auto")])
+def test_engine_batch_invariant_is_true_false_or_auto(value, expected):
+    assert load_config(None, [f"engine.batch_invariant={value}"]).engine.batch_invariant == expected
+    assert load_config(None, []).engine.batch_invariant == "auto"
+    for bad in ("maybe", "1"):
+        assert "engine.batch_invariant: must be true, false or auto, got" in config_error(
+            overrides=[f"engine.batch_invariant={bad}"])

@@ -295,7 +295,8 @@ def test_engine_with_packed_linears_matches_plain_linears(tmp_path, tie, dtype):
 
     def run(is_packed: bool):
         mode = "always" if is_packed else "never"
-        config = EngineConfig(num_kv_blocks=64, block_size=4, cpu_pack_lm_head=is_packed, cpu_pack_linears=mode)
+        config = EngineConfig(num_kv_blocks=64, block_size=4, cpu_pack_lm_head=is_packed, cpu_pack_linears=mode,
+                              batch_invariant=False)  # which linears are packed is the invariant path's choice
         engine = LLMEngine(load_model(path).to(dtype), config=config)
         num_linears = sum(isinstance(m, nn.Linear) for m in engine.model.modules())
         assert len(engine.runner.packed) == (num_linears if is_packed else 0)

@@ -75,6 +75,44 @@ def test_kernel_edges_no_rows_and_a_nan_confined_to_its_row(kernel):
 
 
 @needs_toolchain
+def test_query_rows_read_the_keys_they_name(kernel):
+    """Prefill queries (batch invariance): row s attends over k[kv_rows[s]] up to lengths[s] keys, the
+    same bits as a decode row with those keys, and the softmax attention within rounding."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(5, 2, 3, 64), torch.randn(2, 2, 30, 64), torch.randn(2, 2, 30, 64)
+    rows, lengths = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([1, 30, 7, 8, 20])
+    out = kernel(q, k, v, lengths, 0.125, 0, rows)
+    assert torch.equal(out, kernel(q, k[rows], v[rows], lengths, 0.125, 0))  # a decode row per query
+    for s in range(5):
+        n = int(lengths[s])
+        weights = torch.softmax(q[s] @ k[rows[s], :, :n].transpose(-1, -2) * 0.125, dim=-1)  # [H, G, n]
+        torch.testing.assert_close(out[s], weights @ v[rows[s], :, :n], atol=2e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match=r"kv_rows\[1\] = 2 outside \[0, 2\)"):
+        kernel(q[:2], k, v, lengths[:2], 0.125, 0, torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match="kv_rows must be None or"):
+        kernel(q, k, v, lengths, 0.125, 0, torch.tensor([0, 1]))
+
+
+@needs_toolchain
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_a_rows_output_depends_on_its_own_inputs_only(kernel, head_dim):
+    """The same query, keys, values and length give the same bits at any row, beside any other rows,
+    in a buffer of any capacity (alignment) and on any thread: the sums run in a fixed order."""
+    torch.manual_seed(1)
+    q, keys, values = torch.randn(1, 2, 4, head_dim), torch.randn(1, 2, 37, head_dim), torch.randn(1, 2, 37, head_dim)
+    alone = kernel(q, keys, values, torch.tensor([37]), 0.2, 0)
+    for num_rows, at, capacity, offset in [(9, 4, 40, 3), (3, 2, 128, 1), (17, 0, 37, 0), (2, 1, 61, 5)]:
+        q_batch = torch.randn(num_rows, 2, 4, head_dim)
+        k_batch, v_batch = torch.randn(num_rows, 2, capacity + offset, head_dim), torch.randn(
+            num_rows, 2, capacity + offset, head_dim)
+        q_batch[at], k_batch[at, :, offset:offset + 37], v_batch[at, :, offset:offset + 37] = q[0], keys[0], values[0]
+        lengths = torch.randint(1, capacity + 1, (num_rows,))
+        lengths[at] = 37
+        out = kernel(q_batch, k_batch[:, :, offset:], v_batch[:, :, offset:], lengths, 0.2, 0)
+        assert torch.equal(out[at], alone[0])
+
+
+@needs_toolchain
 def test_kernel_rejects_what_it_cannot_read(kernel):
     q, k = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 5, 8)
     with pytest.raises(RuntimeError, match="fp32"):

@@ -206,6 +206,20 @@ class EngineSection(Section):
                                        "compiled for this machine on first use (~25 s once, cached; "
                                        "needs a C++ compiler and ninja, else PyTorch ops serve, with a "
                                        "warning).")
+    batch_invariant: bool | Literal["auto"] = Field(
+        "auto", description="A token's logits are the same bits however the engine schedules it (alone "
+        "or in any batch, in any prefill chunk, from the prefix cache, in a speculative span), so a seeded "
+        "request samples the same tokens and log-probs in any batch: `auto` where the path for it is "
+        "available (fp32 on the CPU with the compiled kernel: every linear through oneDNN, prefill "
+        "queries through the kernel; ~3% slower on the engine benchmark), `true` (an error where it is "
+        "not), `false`.")
+
+    @field_validator("batch_invariant", mode="before")
+    @classmethod
+    def _true_false_or_auto(cls, value: object) -> object:
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ValueError("must be true, false or auto")
 
 
 class TrainerSection(Section):

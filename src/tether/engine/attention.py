@@ -9,7 +9,10 @@ two padded batches, each one SDPA call per layer:
   as G queries, so grouped-query attention needs no expanded K/V -- over keys ``[S, Hkv, L, D]``
   with a length mask;
 * prefill chunks (several new tokens): queries padded to ``[S, Hq, Tq, D]``, causal over cached
-  plus new keys.
+  plus new keys. Under batch invariance (``is_batch_invariant``) instead each real query attends
+  alone through the compiled kernel over its sequence's keys up to its own position: the computation,
+  in the same order, that the token would get as a decode row, so its KV and output do not depend on
+  how the scheduler cut the prompt into chunks or which other sequences shared the step.
 
 All indices and masks are built once per step (``build_step_metadata``) and shared by all layers,
 so the per-layer work has no Python loop over sequences. The storage (the pool, and the contiguous
@@ -52,6 +55,10 @@ class AttentionGroup:
     window: int | None = None
     # Decode rows served by ``DecodeKV`` (row i in its slot i): each row's new-token position [S].
     decode_kv_positions: torch.Tensor | None = None
+    # Prefill groups: for each real query (``out_index`` order), its row in the group [M] and its
+    # keys (its position + 1) [M], for the compiled kernel's query-at-a-time attention.
+    query_rows: torch.Tensor | None = None
+    query_lens: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -200,6 +207,8 @@ def _build_group(
         out_select=is_real.view(-1).nonzero().view(-1) if is_padded else None,
         context_lens=start + num_new if q_len == 1 else None,
         window=window,
+        query_rows=torch.arange(len(spans), device=device)[:, None].expand(-1, q_len)[is_real] if q_len > 1 else None,
+        query_lens=(q_pos + 1)[is_real] if q_len > 1 else None,
     )
 
 
@@ -220,6 +229,10 @@ class PagedAttention:
     # Decode rows attend through this compiled kernel when given (``tether.engine.native``; the runner
     # gives it for fp32 models on CPU only)
     decode_kernel: DecodeAttention | None = None
+    # Prefill chunks (and speculative spans) attend through ``decode_kernel`` too, a query at a time,
+    # instead of SDPA: every token's attention is then the same computation whichever way it is
+    # scheduled (the runner's batch invariance)
+    is_batch_invariant: bool = False
     _slot_writes: SlotWrites | None = field(default=None, init=False)  # the first layer's, for all
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -245,6 +258,11 @@ class PagedAttention:
                     is_short_on_cpu = keys.device.type == "cpu" and keys.shape[2] <= _MAX_KEYS_MATMUL_DECODE
                     is_matmul = keys.dtype == torch.float32 and is_short_on_cpu
                     rows = self._attend_decode(q, keys.transpose(-1, -2), values, group, mask, is_windowed, is_matmul)
+                elif self.is_batch_invariant and self.decode_kernel is not None:
+                    window = group.window if is_windowed and group.window is not None else 0
+                    # the real queries only: no padded rows to drop
+                    out[group.out_index] = _attend_queries_native(self.decode_kernel, q, keys, values, group, window)
+                    continue
                 else:
                     rows = _attend_prefill(q, keys, values, group, mask)
             out[group.out_index] = rows if group.out_select is None else rows[group.out_select]
@@ -323,6 +341,20 @@ def _attend_decode_native(
     queries = queries.to(keys_t.dtype)  # as _attend_decode (under autocast q may be another dtype)
     out = kernel(queries, keys_t.transpose(-1, -2), values, group.context_lens, head_dim**-0.5, window)
     return out.view(num_rows, -1, head_dim)  # [S, Hq, D]
+
+
+def _attend_queries_native(
+    kernel: DecodeAttention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup,
+    window: int,
+) -> torch.Tensor:
+    """A prefill group's real queries ``[M, Hq, D]``, each attending alone through the compiled kernel
+    over its sequence's keys ``[S, Hkv, Lk, D]`` up to its own position: the computation a decode row
+    at that position does, whatever the chunk."""
+    assert group.query_rows is not None and group.query_lens is not None
+    num_kv_heads, head_dim = keys.shape[1], keys.shape[3]
+    queries = q[group.out_index].view(-1, num_kv_heads, q.shape[1] // num_kv_heads, head_dim)  # [M, Hkv, G, D]
+    out = kernel(queries.to(keys.dtype), keys, values, group.query_lens, head_dim**-0.5, window, group.query_rows)
+    return out.view(-1, q.shape[1], head_dim)  # [M, Hq, D]
 
 
 def _attend_prefill(

@@ -46,6 +46,15 @@ class EngineConfig:
     # batched matmuls it replaces (1.0-1.2 against 2.0-2.2 ms a layer at 128 rows, AMD EPYC). Where
     # it cannot be built the engine warns and attends with PyTorch.
     cpu_native_attention: bool = True
+    # Batch invariance: a token's logits are the same bits however it is scheduled (alone or in any
+    # batch, prefilled in one chunk or several, from the prefix cache, in a speculative span), so a
+    # seeded request samples the same tokens with the same log-probs in any batch. It holds on the
+    # CPU path for fp32 models with the compiled kernel: every linear multiplies through oneDNN's
+    # reordered weights (whose rows do not depend on the row count; checked on this CPU when the
+    # engine starts), and prefill queries attend through the decode kernel, each alone, in a fixed
+    # order. "auto": on where that path is available, else off; True: an error where it is not;
+    # False: off (MKL's few-row kernels and SDPA, whose rows round by the batch's shape, ~1e-6).
+    batch_invariant: bool | str = "auto"
     # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged, and
     # with prompt lookup a seeded request's samples too):
     # "ngram" proposes by prompt lookup, "draft" by a small model passed as LLMEngine(draft_model=...).
@@ -77,6 +86,8 @@ class EngineConfig:
             raise ConfigError(
                 f"engine.cpu_pack_linears must be one of {PACK_LINEARS_MODES}, got {self.cpu_pack_linears!r}"
             )
+        if not (isinstance(self.batch_invariant, bool) or self.batch_invariant == "auto"):
+            raise ConfigError(f"engine.batch_invariant must be true, false or auto, got {self.batch_invariant!r}")
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"engine.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -22,6 +22,13 @@ multiply itself at small row counts. Which linears get a copy (``pack_linears``)
   (938 against 226 us; 8.6 against 7.7 ms at 128 rows; AMD EPYC Zen 4, 2 threads), and 1.2-2.4x
   for the layers and the head at 1-8 rows on an Intel Xeon with AMX (equal for the head at 128).
 
+Batch invariance (``engine.batch_invariant``) packs every linear, the head at any size and at one
+row too: a reordered copy multiplies each row to the same bits whatever the number of rows and the
+row's place among them (oneDNN's f32 kernels here: checked for every weight shape when an engine
+starts, ``PackedWeights.are_rows_invariant``), which MKL's sgemm does not (its rows differ from 2 rows
+on, or 4 with the transposed layout). oneDNN costs ~25-30 us a call (96 x 96: 29 against 3.5 us at one
+row; AMD EPYC, 2 threads), which matters on tiny models only.
+
 The same CPU split chooses ``DecodeKV``'s key layout (``choose_decode_layout``) where the compiled
 decode attention (``tether.engine.native``) is off or cannot be built.
 
@@ -161,13 +168,17 @@ class PackedLinear(nn.Linear):
         if is_plain or x.numel() < self.__dict__.get("min_rows", 1) * in_features:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, in_features).contiguous()  # [M, K]
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")  # [M, N]
-        return out.view(*x.shape[:-1], out_features)
+        return _linear_packed(rows, packed, self.bias).view(*x.shape[:-1], out_features)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_packed"] = None  # an engine's copy is no part of the module (and does not pickle)
         return state
+
+
+def _linear_packed(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows ``[M, K]`` times a reordered weight (``_reorder``) -> ``[M, N]`` (no autograd)."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
 @dataclass(slots=True, eq=False)
@@ -225,6 +236,27 @@ class PackedWeights:
         if stale:
             self._samples = _bits([c.sample for c in self._copies])
 
+    @torch.inference_mode()
+    def are_rows_invariant(self, num_rows: tuple[int, ...] = (1, 2, 3, 5, 8, 16, 37)) -> bool:
+        """Whether each copy multiplies a row to the same bits in a batch of any of ``num_rows`` rows,
+        wherever the row sits (checked on random inputs, once per weight shape: oneDNN picks its
+        kernels by CPU and shape; MKL's differ by row count). fp32 copies only."""
+        self.refresh()
+        generator = torch.Generator().manual_seed(0)
+        shapes: set[tuple[int, ...]] = set()
+        for copy in self._copies:
+            weight = copy.module.weight
+            if copy.packed is None or weight.dtype != torch.float32:
+                return False
+            if tuple(weight.shape) in shapes:
+                continue
+            shapes.add(tuple(weight.shape))
+            x = torch.randn(max(num_rows), weight.shape[1], generator=generator)
+            full = _linear_packed(x, copy.packed)
+            if not all(torch.equal(_linear_packed(x[-rows:], copy.packed), full[-rows:]) for rows in num_rows):
+                return False
+        return True
+
     @contextmanager
     def serving(self) -> Iterator[None]:
         self.refresh()
@@ -272,12 +304,16 @@ def sample_view(tensor: torch.Tensor, num: int) -> torch.Tensor | None:
     return tensor.detach().as_strided((count,), (stride,), tensor.storage_offset())
 
 
-def pack_linears(model: nn.Module, is_lm_head_packed: bool, layer_mode: str) -> PackedWeights:
+def pack_linears(
+    model: nn.Module, is_lm_head_packed: bool, layer_mode: str, is_every_linear: bool = False
+) -> PackedWeights:
     """Switch the model's packable linears to ``PackedLinear`` in place and return their copies.
 
     The vocabulary projection (``model.lm_head``) when ``is_lm_head_packed`` and ``is_worth_packing``;
     every other linear per ``layer_mode``: "auto" where ``is_layer_worth_packing``, "always" wherever
-    oneDNN can serve it, "never" none. Only modules of class ``nn.Linear`` itself (or already
+    oneDNN can serve it, "never" none. ``is_every_linear`` (batch invariance) overrides both: every
+    linear oneDNN can serve, at every row count (oneDNN's rows do not depend on how many there are:
+    ``PackedWeights.are_rows_invariant``). Only modules of class ``nn.Linear`` itself (or already
     ``PackedLinear``) are switched: a subclass has a forward of its own to keep. The switch keeps the
     module object, its hooks and every reference to it. A model packed before (another engine on the
     same model) keeps its ``PackedLinear`` modules; each engine holds copies of its own.
@@ -289,7 +325,9 @@ def pack_linears(model: nn.Module, is_lm_head_packed: bool, layer_mode: str) -> 
     for module in model.modules():
         if type(module) not in (nn.Linear, PackedLinear) or id(module) in modules:
             continue
-        if module is head:
+        if is_every_linear:
+            is_packed = is_onednn_linear_available(module.weight)
+        elif module is head:
             is_packed = is_lm_head_packed and module.bias is None and is_worth_packing(module.weight)
         elif layer_mode == "auto":
             is_packed = is_layer_worth_packing(module.weight)
@@ -298,7 +336,7 @@ def pack_linears(model: nn.Module, is_lm_head_packed: bool, layer_mode: str) -> 
         if is_packed:
             module.__class__ = PackedLinear
             # An fp32 head's 1-row gemv stays on MKL, which streams the plain weight at memory speed.
-            is_gemv_plain = module is head and module.weight.dtype == torch.float32
+            is_gemv_plain = module is head and module.weight.dtype == torch.float32 and not is_every_linear
             module.__dict__["min_rows"] = 2 if is_gemv_plain else 1
             modules[id(module)] = module
     return PackedWeights(list(modules.values()))

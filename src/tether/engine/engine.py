@@ -98,7 +98,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, config.cpu_pack_lm_head, config.cpu_pack_linears,
-            config.cpu_native_attention,
+            config.cpu_native_attention, config.batch_invariant,
         )
         self.proposer = build_proposer(config, model, draft_model, num_blocks, self.max_model_len)
         self.sampler = Sampler()

@@ -3,9 +3,12 @@
 ``decode_attention`` (``csrc/decode_attention.cpp``): fp32 decode attention over each sequence's
 contiguous KV, in one pass over its keys and one over its values, instead of two batched matmuls
 that MKL streamed at about a third of the memory bandwidth (``docs/benchmarks.md``, "compiled decode
-attention"). It sits behind the plain-PyTorch path, never instead of it: where it cannot be built
-(no C++ compiler, no ninja, another platform) the engine warns once and attends with PyTorch ops,
-as with ``engine.cpu_native_attention: false``.
+attention"). Its sums run in a fixed order that depends on their length only, so a query row's output
+depends on its own inputs alone; with a row-to-sequence index it also serves prefill queries, each
+alone, for the engine's batch invariance (``engine.batch_invariant``). It sits behind the
+plain-PyTorch path, never instead of it: where it cannot be built (no C++ compiler, no ninja, another
+platform) the engine warns once and attends with PyTorch ops, as with
+``engine.cpu_native_attention: false``.
 
 Built with ``torch.utils.cpp_extension`` for this CPU (``-march=native``) into torch's extension
 cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): ~25 s on 2 cores, announced
@@ -53,7 +56,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 CPU_FIELDS = ("model name", "flags", "CPU implementer", "CPU part", "Features")  # x86, then Arm
 
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
+# (q, k, v, lengths, scale, window[, kv_rows]) -> out: csrc/decode_attention.cpp
+DecodeAttention = Callable[..., torch.Tensor]
 
 
 @functools.cache
@@ -167,7 +171,7 @@ def _reason(error: BaseException) -> str:
 
 @functools.cache
 def decode_attention_kernel() -> DecodeAttention | None:
-    """The compiled ``decode_attention(q, k, v, lengths, scale, window)``, or None where it cannot be
+    """The compiled ``decode_attention(q, k, v, lengths, scale, window, kv_rows=None)``, or None where it cannot be
     built here (warned once, with the reason)."""
     try:
         module = _load(build_name())

@@ -3,11 +3,19 @@
 One forward per step over all scheduled tokens flattened into one row. Logits are computed only
 at the positions that sample (the last token of each sequence that reaches its end), because on a
 small model the vocabulary projection would otherwise dominate the step.
+
+Batch invariance (``is_batch_invariant``, ``engine.batch_invariant``): every op of the forward gives
+a token's row the same bits whatever else is in the step. Embedding, norms, RoPE and activations are
+row-wise already; the linears multiply through oneDNN-reordered weights whose rows do not depend on
+the row count (checked here at start); attention runs a query at a time through the compiled kernel,
+prefill rows too. By induction over positions a token's KV, and so its logits, are a function of its
+context alone.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -21,7 +29,7 @@ from tether.engine.cpu_kernels import PackedWeights, pack_linears, sample_view
 from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.engine.native import decode_attention_kernel
 from tether.engine.sequence import Sequence
-from tether.errors import CheckpointError
+from tether.errors import CheckpointError, ConfigError
 from tether.models.attention import AttentionBackend
 
 
@@ -79,6 +87,7 @@ class ModelRunner:
         is_lm_head_packed: bool = True,
         pack_layer_linears: str = "auto",
         native_attention: bool = True,
+        batch_invariant: bool | str = False,
     ) -> None:
         first = next(iter(model.parameters()))
         self.model = model
@@ -99,12 +108,20 @@ class ModelRunner:
         keys_transposed = False if self.decode_kernel is not None else None
         self.decode_kv = DecodeKV(self.cache, num_blocks * block_size, keys_transposed)
         self.packed = PackedWeights([])
+        # Batch invariance (EngineConfig.batch_invariant) needs the kernel, which serves fp32 on CPU only.
+        is_invariant_path = batch_invariant in (True, "auto") and self.decode_kernel is not None
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
             use_transposed_weight_layout(model)
             # The vocabulary projection and the layers' linears multiply by oneDNN-reordered copies of
             # their weights where that is faster (fp32: large or on CPUs where MKL is slow; bf16 with
-            # native oneDNN bf16: cpu_kernels).
-            self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears)
+            # native oneDNN bf16: cpu_kernels), or all of them for batch invariance.
+            self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears, is_invariant_path)
+        self.is_batch_invariant = is_invariant_path and self._are_linears_invariant(batch_invariant)
+        if batch_invariant is True and not self.is_batch_invariant and self.decode_kernel is None:
+            raise ConfigError(
+                "engine.batch_invariant: true needs an fp32 model on the CPU with the compiled attention kernel "
+                "(engine.cpu_native_attention: true and a C++ compiler); set it to auto or false"
+            )
         self.weights = WeightsWatch(model)  # what the KV was computed with: changes outside load_weights
         self._finite_checks: list[torch.Tensor] = []  # per forward since saw_nonfinite(): all finite?
 
@@ -117,7 +134,8 @@ class ModelRunner:
             step.spans, self.block_size, self.sliding_window, self.dtype, self.device, self.cache.pad_block,
             decode_kv_rows,
         )
-        attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv, self.decode_kernel)
+        attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv, self.decode_kernel,
+                              self.is_batch_invariant)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
         with self.packed.serving():
@@ -133,6 +151,21 @@ class ModelRunner:
                 return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
             index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
             return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
+
+    def _are_linears_invariant(self, batch_invariant: bool | str) -> bool:
+        """Whether every linear of the model multiplies through a copy whose rows do not depend on the
+        batch; under ``batch_invariant: true`` an error where not, under "auto" a warning."""
+        linears = {id(m) for m in self.model.modules() if isinstance(m, torch.nn.Linear)}
+        if len(self.packed) != len(linears):
+            reason = f"{len(linears) - len(self.packed)} of the model's linears cannot be served by oneDNN"
+        elif not self.packed.are_rows_invariant():
+            reason = "oneDNN's linears round a row differently with the batch's size on this CPU"
+        else:
+            return True
+        if batch_invariant is True:
+            raise ConfigError(f"engine.batch_invariant: true is unavailable: {reason}; set it to auto or false")
+        warnings.warn(f"tether: batch invariance is off: {reason}", RuntimeWarning, stacklevel=3)
+        return False
 
     def saw_nonfinite(self) -> bool:
         """Whether a forward since the last call computed a NaN or infinite hidden state (prefill

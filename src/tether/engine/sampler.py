@@ -6,12 +6,13 @@ The distribution is ``tether.algorithms.logprobs.process_logits`` -- the trainer
 Each sampling row draws one uniform from its sequence's own counter-based stream
 (``tether.engine.rng``) and inverts the row's CDF. A row's sample therefore depends only on its
 logits, its seed and how many draws it made before, never on which other sequences share the step
-(same seed, same sample, whatever the batch). The logits themselves are not bit-for-bit
-batch-invariant: the forward's matmuls and attention round differently with the batch's shape,
-prefill chunking and speculative spans (~1e-6), and a uniform that falls at a CDF boundary then
-picks the neighbouring token. A review measured 2-3 of 64 seeded samples (64 tokens each) diverging
-somewhere on a random model with a near-uniform 32k vocabulary, the worst case, and none at a
-vocabulary of 100; a trained model's peaked distributions put fewer uniforms near a boundary.
+(same seed, same sample, whatever the batch). The logits themselves are the same bits in any batch
+where the runner is batch-invariant (``engine.batch_invariant``, on by default for fp32 on the CPU with
+the compiled kernel). Without it the forward's matmuls and attention round differently with the
+batch's shape, prefill chunking and speculative spans (~1e-6), and a uniform that falls within that
+of a CDF boundary picks the neighbouring token: 3 of 32 seeded samples of 64 tokens diverged somewhere
+on the engine benchmark's random model with a near-uniform 32k vocabulary, and log-probs differed in
+their last bits everywhere.
 """
 
 from __future__ import annotations

@@ -148,10 +148,11 @@ class DraftModelProposer:
     def __init__(
         self, draft_model: DecoderModel, num_tokens: int, *, num_blocks: int, block_size: int,
         is_lm_head_packed: bool = True, pack_layer_linears: str = "auto", native_attention: bool = True,
+        batch_invariant: bool | str = False,
     ) -> None:
         self.num_tokens = num_tokens
         self.runner = ModelRunner(draft_model, num_blocks, block_size, is_lm_head_packed, pack_layer_linears,
-                                  native_attention)
+                                  native_attention, batch_invariant)
 
     def propose(
         self, seqs: list[Sequence], max_num_tokens: list[int], block_copies: list[tuple[int, int]]
@@ -398,7 +399,7 @@ def build_proposer(
     return DraftModelProposer(
         draft_model, config.num_speculative_tokens, num_blocks=num_blocks, block_size=config.block_size,
         is_lm_head_packed=config.cpu_pack_lm_head, pack_layer_linears=config.cpu_pack_linears,
-        native_attention=config.cpu_native_attention,
+        native_attention=config.cpu_native_attention, batch_invariant=config.batch_invariant,
     )
 
 
