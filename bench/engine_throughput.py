@@ -323,13 +323,13 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     kernel = "compiled kernel (tether.engine.native)" if engine.runner.decode_kernel else "PyTorch ops"
     out.append(f"tether decode attention: {kernel}")
     out.append(f"tether batch invariance (engine.batch_invariant: auto): "
-               f"{'on' if engine.runner.is_batch_invariant else 'off'}")
+               f"{'on' if engine.is_batch_invariant else 'off'}")
     run_tether(engine, w.with_budget(s.min_budget), s)  # warm-up: allocator, thread pool
     t_s, t_tokens = best_time(lambda: run_tether(engine, w, s), s.repeats)
     assert t_tokens == w.num_useful_tokens, (t_tokens, w.num_useful_tokens)
     out.append(line("tether LLMEngine (mixed budgets)", t_s, t_tokens))
     if engine.runner.decode_kernel is not None:
-        out.extend(compare_tether_paths(s, tether, w, t_tokens / t_s, engine.runner.is_batch_invariant))
+        out.extend(compare_tether_paths(s, tether, w, t_tokens / t_s, engine.is_batch_invariant))
     run_hf_generate(hf, w.with_budget(s.min_budget), s)  # the same warm-up
     g_s, g_tokens = best_time(lambda: run_hf_generate(hf, w, s), s.repeats)
     out.append(line("transformers generate (mixed budgets)", g_s, g_tokens))

@@ -27,7 +27,8 @@ MAX_NEW_TOKENS = 16
 
 @pytest.fixture(scope="module", params=["qwen2", "mistral"])
 def model(request, tmp_path_factory):
-    extra = {"sliding_window": 24} if request.param == "mistral" else {}  # windowed prefill rows too
+    # mistral: windowed prefill rows; qwen2: an MLP width whose SiLU has a scalar tail in torch's kernel
+    extra = {"sliding_window": 24} if request.param == "mistral" else {"intermediate_size": 100}
     path = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, vocab_size=VOCAB, seed=11,
                               with_tokenizer=False, **extra)
     return load_model(path)
@@ -43,7 +44,7 @@ def _engine(model, **overrides) -> LLMEngine:
     config = {"block_size": 8, "num_kv_blocks": 400, "max_num_batched_tokens": 512, "max_model_len": 160,
               "batch_invariant": True, **overrides}
     engine = LLMEngine(model, config=EngineConfig(**config))
-    assert engine.runner.is_batch_invariant
+    assert engine.is_batch_invariant
     return engine
 
 
@@ -119,12 +120,40 @@ def test_speculative_samples_are_the_same_bits_in_any_batch(model, alone):
     assert engine.stats.num_draft_tokens > 0  # spans were verified (a random model accepts few drafts)
 
 
+def test_draft_model_samples_are_the_same_bits_in_any_batch(model, tmp_path):
+    """A draft model's proposals depend on its own forward, invariant too: rejection sampling then
+    accepts and resamples the same tokens whatever the batch and the drafts the budget allowed."""
+    draft = load_model(make_hf_checkpoint(tmp_path / "draft", "qwen2", vocab_size=VOCAB, seed=12, num_layers=1,
+                                          hidden_size=32, with_tokenizer=False))
+
+    def engine(**overrides) -> LLMEngine:
+        config = EngineConfig(block_size=8, num_kv_blocks=400, max_model_len=160, speculative="draft",
+                              batch_invariant=True, **overrides)
+        return LLMEngine(model, config=config, draft_model=draft)
+
+    assert engine().is_batch_invariant  # the draft runner too
+    prompts, params = _prompts(), _sampled()
+    alone = _alone(engine(), prompts, params)
+    batched = engine(max_num_batched_tokens=45)
+    _assert_same_bits(batched.generate(prompts, params), alone)
+    assert batched.stats.num_accepted_tokens > 0
+
+
+def test_an_engine_without_invariance_on_the_same_model_leaves_it_invariant(model, alone):
+    """Per-engine choices (which rows a packed linear serves, the SiLU) are installed for each step by
+    the engine that serves it, not left on the shared modules by the last engine built."""
+    invariant = _engine(model)
+    LLMEngine(model, config=EngineConfig(num_kv_blocks=64, batch_invariant=False)).generate(
+        [_prompts()[0]], SamplingParams(max_new_tokens=3))
+    _assert_same_bits(invariant.generate(_prompts(), _sampled()), alone)
+
+
 def test_batch_invariant_true_is_an_error_where_it_cannot_hold(model):
     with pytest.raises(ConfigError, match="engine.batch_invariant: true needs an fp32 model on the CPU"):
         LLMEngine(model, config=EngineConfig(num_kv_blocks=64, batch_invariant=True, cpu_native_attention=False))
     auto = LLMEngine(model, config=EngineConfig(num_kv_blocks=64, cpu_native_attention=False))
-    assert not auto.runner.is_batch_invariant  # "auto" runs without it, as before
-    assert LLMEngine(model, config=EngineConfig(num_kv_blocks=64)).runner.is_batch_invariant
+    assert not auto.is_batch_invariant  # "auto" runs without it, as before
+    assert LLMEngine(model, config=EngineConfig(num_kv_blocks=64)).is_batch_invariant
     with pytest.raises(ConfigError, match="engine.batch_invariant must be true, false or auto, got 'yes'"):
         EngineConfig(batch_invariant="yes")
 
@@ -132,6 +161,6 @@ def test_batch_invariant_true_is_an_error_where_it_cannot_hold(model):
 def test_bf16_runs_without_batch_invariance(tmp_path):
     path = make_hf_checkpoint(tmp_path / "m", "qwen2", seed=1, with_tokenizer=False)
     bf16 = load_model(path).to(torch.bfloat16)
-    assert not LLMEngine(bf16, config=EngineConfig(num_kv_blocks=64)).runner.is_batch_invariant
+    assert not LLMEngine(bf16, config=EngineConfig(num_kv_blocks=64)).is_batch_invariant
     with pytest.raises(ConfigError, match="engine.batch_invariant: true needs an fp32 model on the CPU"):
         LLMEngine(bf16, config=EngineConfig(num_kv_blocks=64, batch_invariant=True))

@@ -24,10 +24,10 @@ multiply itself at small row counts. Which linears get a copy (``pack_linears``)
 
 Batch invariance (``engine.batch_invariant``) packs every linear, the head at any size and at one
 row too: a reordered copy multiplies each row to the same bits whatever the number of rows and the
-row's place among them (oneDNN's f32 kernels here: checked for every weight shape when an engine
-starts, ``PackedWeights.are_rows_invariant``), which MKL's sgemm does not (its rows differ from 2 rows
-on, or 4 with the transposed layout). oneDNN costs ~25-30 us a call (96 x 96: 29 against 3.5 us at one
-row; AMD EPYC, 2 threads), which matters on tiny models only.
+row's place among them (oneDNN's f32 kernels here: checked for 1-37 rows of every weight shape when
+an engine starts, ``PackedWeights.are_rows_invariant``; by hand up to 4096 rows), which MKL's sgemm
+does not (its rows differ from 2 rows on, or 4 with the transposed layout). oneDNN costs ~25-30 us a
+call (96 x 96: 29 against 3.5 us at one row; AMD EPYC, 2 threads), which matters on tiny models only.
 
 The same CPU split chooses ``DecodeKV``'s key layout (``choose_decode_layout``) where the compiled
 decode attention (``tether.engine.native``) is off or cannot be built.
@@ -157,7 +157,8 @@ class PackedLinear(nn.Linear):
     """An ``nn.Linear`` switched to this class in place by ``pack_linears`` (same object, parameters,
     hooks and names), multiplying by a reordered copy of its weight while a ``PackedWeights`` serves a
     step, and exactly ``nn.Linear`` at any other time (training, saving, any forward outside an
-    engine step). ``_packed`` and ``min_rows`` live in the instance's ``__dict__``."""
+    engine step). ``_packed`` and ``min_rows`` live in the instance's ``__dict__``, set by the serving
+    engine's ``PackedWeights`` for its step (engines on one model each bring their own)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.__dict__.get("_packed")
@@ -176,6 +177,32 @@ class PackedLinear(nn.Linear):
         return state
 
 
+def silu_invariant(x: torch.Tensor) -> torch.Tensor:
+    """SiLU, ``x / (1 + exp(-x))``, each element computed the same way wherever it sits in ``x``.
+
+    ``F.silu``'s CPU kernel computes the last ``numel % 16`` elements of a tensor (and of each thread's
+    chunk) with its scalar code, which rounds differently from its vector code (30 of 512 elements
+    here), so a token's activations would depend on its place in the step. Here every op is exact
+    (negation, +1, division) or an elementwise ``exp`` that gave the same bits at any offset
+    (``is_silu_invariant`` checks this CPU); in the vector path the same formula as ``F.silu``'s.
+    Not differentiable: under autograd it is ``F.silu``."""
+    if torch.is_grad_enabled():
+        return F.silu(x)
+    denominator = torch.neg(x).exp_().add_(1)
+    return torch.div(x, denominator, out=denominator)
+
+
+@functools.cache
+def is_silu_invariant() -> bool:
+    """Whether ``silu_invariant`` gives an element the same bits at any offset and in any length of
+    tensor on this CPU (checked once per process)."""
+    with torch.inference_mode():
+        x = torch.randn(1031, generator=torch.Generator().manual_seed(0)) * 6
+        full = silu_invariant(x)
+        spans = [(i, i + 1) for i in range(0, 40)] + [(3, 20), (17, 1031), (5, 530), (0, 1000), (999, 1031)]
+        return all(torch.equal(silu_invariant(x[a:b].clone()), full[a:b]) for a, b in spans)
+
+
 def _linear_packed(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """rows ``[M, K]`` times a reordered weight (``_reorder``) -> ``[M, N]`` (no autograd)."""
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
@@ -186,6 +213,7 @@ class _Copy:
     """One module's reordered weight and what it was made from."""
 
     module: PackedLinear
+    min_rows: int = 1  # this engine's: another engine on the same model may choose otherwise
     packed: torch.Tensor | None = None  # None: oneDNN cannot serve the weight now (plain F.linear)
     key: tuple[int, int, int] | None = None  # (id, version, data_ptr) of the weight it was made from
     source: torch.Tensor | None = None  # that weight, held: a freed storage's address could come back
@@ -203,8 +231,9 @@ class PackedWeights:
     6-layer model).
     """
 
-    def __init__(self, modules: list[PackedLinear]) -> None:
-        self._copies = [_Copy(module) for module in modules]
+    def __init__(self, modules: list[PackedLinear], min_rows: list[int] | None = None) -> None:
+        # min_rows: per module, fewer rows than that multiply the plain weight (default 1: never)
+        self._copies = [_Copy(module, rows) for module, rows in zip(modules, min_rows or [1] * len(modules))]
         self._samples: torch.Tensor | None = None  # [num_copies, NUM_SAMPLES] int32 bits at packing
         self.num_reorders = 0
 
@@ -262,6 +291,7 @@ class PackedWeights:
         self.refresh()
         for copy in self._copies:
             copy.module.__dict__["_packed"] = copy.packed
+            copy.module.__dict__["min_rows"] = copy.min_rows
         try:
             yield
         finally:
@@ -321,7 +351,7 @@ def pack_linears(
     if layer_mode not in PACK_LINEARS_MODES:
         raise ValueError(f"pack_linears: layer_mode must be one of {PACK_LINEARS_MODES}, got {layer_mode!r}")
     head = getattr(model, "lm_head", None)
-    modules: dict[int, PackedLinear] = {}  # by id: a module under two names is packed once
+    modules: dict[int, tuple[PackedLinear, int]] = {}  # by id (a module under two names is packed once): min rows
     for module in model.modules():
         if type(module) not in (nn.Linear, PackedLinear) or id(module) in modules:
             continue
@@ -337,6 +367,5 @@ def pack_linears(
             module.__class__ = PackedLinear
             # An fp32 head's 1-row gemv stays on MKL, which streams the plain weight at memory speed.
             is_gemv_plain = module is head and module.weight.dtype == torch.float32 and not is_every_linear
-            module.__dict__["min_rows"] = 2 if is_gemv_plain else 1
-            modules[id(module)] = module
-    return PackedWeights(list(modules.values()))
+            modules[id(module)] = (module, 2 if is_gemv_plain else 1)
+    return PackedWeights([module for module, _ in modules.values()], [rows for _, rows in modules.values()])

@@ -5,11 +5,13 @@ at the positions that sample (the last token of each sequence that reaches its e
 small model the vocabulary projection would otherwise dominate the step.
 
 Batch invariance (``is_batch_invariant``, ``engine.batch_invariant``): every op of the forward gives
-a token's row the same bits whatever else is in the step. Embedding, norms, RoPE and activations are
-row-wise already; the linears multiply through oneDNN-reordered weights whose rows do not depend on
-the row count (checked here at start); attention runs a query at a time through the compiled kernel,
-prefill rows too. By induction over positions a token's KV, and so its logits, are a function of its
-context alone.
+a token's row the same bits whatever else is in the step. Embedding, norms and RoPE are exact or
+elementwise ops that torch computes alike at any offset; SiLU is not (``F.silu``'s scalar tail rounds
+differently from its vector code), so the MLPs take ``cpu_kernels.silu_invariant`` while this runner
+serves a step; the linears multiply through oneDNN-reordered weights whose rows do not depend on the
+row count (checked here at start for 1-37 rows); attention runs a query at a time through the
+compiled kernel, prefill rows too. By induction over positions a token's KV, and so its logits, are a
+function of its context alone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,12 +28,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
-from tether.engine.cpu_kernels import PackedWeights, pack_linears, sample_view
+from tether.engine.cpu_kernels import PackedWeights, is_silu_invariant, pack_linears, sample_view, silu_invariant
 from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.engine.native import decode_attention_kernel
 from tether.engine.sequence import Sequence
 from tether.errors import CheckpointError, ConfigError
 from tether.models.attention import AttentionBackend
+from tether.models.decoder import MLP
 
 
 class ModelShape(Protocol):
@@ -116,7 +120,9 @@ class ModelRunner:
             # their weights where that is faster (fp32: large or on CPUs where MKL is slow; bf16 with
             # native oneDNN bf16: cpu_kernels), or all of them for batch invariance.
             self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears, is_invariant_path)
-        self.is_batch_invariant = is_invariant_path and self._are_linears_invariant(batch_invariant)
+        # The MLPs' SiLU, computed alike at every offset while this runner serves a step.
+        self._mlps = [m for m in model.modules() if isinstance(m, MLP)] if is_invariant_path else []
+        self.is_batch_invariant = is_invariant_path and self._is_invariant_here(batch_invariant)
         if batch_invariant is True and not self.is_batch_invariant and self.decode_kernel is None:
             raise ConfigError(
                 "engine.batch_invariant: true needs an fp32 model on the CPU with the compiled attention kernel "
@@ -138,7 +144,7 @@ class ModelRunner:
                               self.is_batch_invariant)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
-        with self.packed.serving():
+        with self.packed.serving(), _silu_swapped(self._mlps):
             try:
                 hidden = self.model(input_ids, positions, attn)  # [1, T, H]
             except BaseException:
@@ -152,14 +158,17 @@ class ModelRunner:
             index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
             return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
 
-    def _are_linears_invariant(self, batch_invariant: bool | str) -> bool:
+    def _is_invariant_here(self, batch_invariant: bool | str) -> bool:
         """Whether every linear of the model multiplies through a copy whose rows do not depend on the
-        batch; under ``batch_invariant: true`` an error where not, under "auto" a warning."""
+        batch, and the activation is computed alike at any offset; under ``batch_invariant: true`` an
+        error where not, under "auto" a warning."""
         linears = {id(m) for m in self.model.modules() if isinstance(m, torch.nn.Linear)}
         if len(self.packed) != len(linears):
             reason = f"{len(linears) - len(self.packed)} of the model's linears cannot be served by oneDNN"
         elif not self.packed.are_rows_invariant():
             reason = "oneDNN's linears round a row differently with the batch's size on this CPU"
+        elif not is_silu_invariant():
+            reason = "torch's exp rounds an element differently by its place in a tensor on this CPU"
         else:
             return True
         if batch_invariant is True:
@@ -217,6 +226,18 @@ class ModelRunner:
             params[name].copy_(tensor)
         self.packed.invalidate()
         return len(updates)
+
+
+@contextmanager
+def _silu_swapped(mlps: list[MLP]) -> Iterator[None]:
+    """The MLPs compute SiLU by ``silu_invariant`` until the block ends (only this step's forward)."""
+    for mlp in mlps:
+        mlp.__dict__["_silu"] = silu_invariant
+    try:
+        yield
+    finally:
+        for mlp in mlps:
+            mlp.__dict__.pop("_silu", None)
 
 
 class WeightsWatch:
