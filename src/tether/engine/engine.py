@@ -101,7 +101,7 @@ class LLMEngine:
             config.cpu_native_attention, config.batch_invariant,
         )
         self.proposer = build_proposer(config, model, draft_model, num_blocks, self.max_model_len)
-        draft = getattr(self.proposer, "runner", None)  # a request's bits are the same in any batch (and drafts):
+        draft = getattr(self.proposer, "runner", None)  # EngineConfig.batch_invariant holds: target and draft
         self.is_batch_invariant = self.runner.is_batch_invariant and (draft is None or draft.is_batch_invariant)
         self.sampler = Sampler()
         self.stats = EngineStats()

@@ -120,9 +120,9 @@ class ModelRunner:
             # their weights where that is faster (fp32: large or on CPUs where MKL is slow; bf16 with
             # native oneDNN bf16: cpu_kernels), or all of them for batch invariance.
             self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears, is_invariant_path)
-        # The MLPs' SiLU, computed alike at every offset while this runner serves a step.
-        self._mlps = [m for m in model.modules() if isinstance(m, MLP)] if is_invariant_path else []
         self.is_batch_invariant = is_invariant_path and self._is_invariant_here(batch_invariant)
+        # The MLPs' SiLU, computed alike at every offset while this runner serves a step.
+        self._mlps = [m for m in model.modules() if isinstance(m, MLP)] if self.is_batch_invariant else []
         if batch_invariant is True and not self.is_batch_invariant and self.decode_kernel is None:
             raise ConfigError(
                 "engine.batch_invariant: true needs an fp32 model on the CPU with the compiled attention kernel "
