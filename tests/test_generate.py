@@ -93,6 +93,21 @@ def test_lines_without_a_seed_sample_with_their_own(model_dir, tmp_path):
     assert first[4] not in (first[0], first[1])
 
 
+def test_a_seeded_line_gives_the_same_bits_alone_or_among_other_lines(model_dir, tmp_path):
+    # Batch invariance (engine.batch_invariant: auto, on here): tokens and log-probs bit for bit,
+    # whatever else the file holds and however the engine batches and chunks it.
+    line = {"prompt": "the quick brown fox", "seed": 3, "temperature": 1.0}
+    others = [{"prompt": "12+34=" * 9, "seed": 1}, {"prompt": "ab", "max_new_tokens": 5}, {"prompt": "x" * 40}]
+    outputs = []
+    for name, rows in [("alone", [line]), ("among", [others[0], line, *others[1:]])]:
+        result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / f"{name}.jsonl", rows)),
+                       "--max-new-tokens", "24", "--output", str(tmp_path / f"{name}.out.jsonl")], tmp_path)
+        assert result.returncode == 0, result.stderr
+        outputs.append([json.loads(x) for x in (tmp_path / f"{name}.out.jsonl").read_text().splitlines()])
+    alone, among = outputs[0][0], outputs[1][1]
+    assert (alone["token_ids"], alone["logprobs"]) == (among["token_ids"], among["logprobs"])
+
+
 def test_a_prompt_line_may_give_its_own_stop_strings(model_dir, tmp_path):
     def texts(rows: list[dict]) -> list[tuple[str, str]]:
         result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / "p.jsonl", rows)),
