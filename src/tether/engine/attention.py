@@ -9,7 +9,7 @@ two padded batches, each one SDPA call per layer:
   as G queries, so grouped-query attention needs no expanded K/V -- over keys ``[S, Hkv, L, D]``
   with a length mask;
 * prefill chunks (several new tokens): queries padded to ``[S, Hq, Tq, D]``, causal over cached
-  plus new keys. Under batch invariance (``is_batch_invariant``) instead each real query attends
+  plus new keys. Under batch invariance (``is_query_at_a_time``) instead each real query attends
   alone through the compiled kernel over its sequence's keys up to its own position: the computation,
   in the same order, that the token would get as a decode row, so its KV and output do not depend on
   how the scheduler cut the prompt into chunks or which other sequences shared the step.
@@ -46,7 +46,7 @@ class AttentionGroup:
 
     query_index: torch.Tensor  # [S, Tq] position of each query in the step; padding repeats a real one
     block_ids: torch.Tensor  # [S * Nb] block tables, flattened, padded with the pool's pad block; Lk = Nb * block_size
-    mask: torch.Tensor  # [S, 1, Tq, Lk] additive float mask (0 or -inf)
+    mask: torch.Tensor | None  # [S, 1, Tq, Lk] additive float mask (0 or -inf); None: query rows instead
     window_mask: torch.Tensor | None  # the same with the sliding window applied, if the model has one
     out_index: torch.Tensor  # [M] step positions of the real queries
     out_select: torch.Tensor | None  # [M] their rows in the flattened [S * Tq] output; None: no padding
@@ -55,8 +55,8 @@ class AttentionGroup:
     window: int | None = None
     # Decode rows served by ``DecodeKV`` (row i in its slot i): each row's new-token position [S].
     decode_kv_positions: torch.Tensor | None = None
-    # Prefill groups: for each real query (``out_index`` order), its row in the group [M] and its
-    # keys (its position + 1) [M], for the compiled kernel's query-at-a-time attention.
+    # Prefill groups attended a query at a time (batch invariance), instead of the masks: each real
+    # query's row in the group [M] and its number of keys (its position + 1) [M], in ``out_index`` order.
     query_rows: torch.Tensor | None = None
     query_lens: torch.Tensor | None = None
 
@@ -92,12 +92,14 @@ def build_step_metadata(
     device: torch.device,
     pad_block: int,
     decode_kv_rows: list[int] | None = None,
+    is_query_at_a_time: bool = False,
 ) -> StepMetadata:
     """Slot mapping and attention groups for a step computing ``spans`` (in step order).
 
     ``decode_kv_rows``: the decode rows in ``DecodeKV`` slot order (``DecodeKV.assign``); they form
     one group read from those contiguous copies instead of gathered from the pool. ``pad_block``:
-    the block that pads shorter block tables (``KVCache.pad_block``).
+    the block that pads shorter block tables (``KVCache.pad_block``). ``is_query_at_a_time``: prefill
+    groups carry query rows and lengths for the compiled kernel instead of masks (batch invariance).
     """
     offsets, slots = [], []
     offset = 0
@@ -114,7 +116,7 @@ def build_step_metadata(
     groups = [
         _build_group(
             [spans[i] for i in rows], [offsets[i] for i in rows], block_size, sliding_window, dtype, device,
-            pad_block,
+            pad_block, is_query_at_a_time,
         )
         for rows in decode_groups + _split_by_length(prefill_rows, spans, _MAX_SPLITS)
     ]
@@ -177,6 +179,7 @@ def _build_group(
     dtype: torch.dtype,
     device: torch.device,
     pad_block: int,
+    is_query_at_a_time: bool = False,
 ) -> AttentionGroup:
     num_blocks = max(-(-(s.start + s.num_new) // block_size) for s in spans)
     tables = [s.block_table[:num_blocks] + [pad_block] * (num_blocks - len(s.block_table)) for s in spans]
@@ -189,27 +192,29 @@ def _build_group(
     # Padded queries repeat the row's last real token: a valid input whose output is dropped.
     query_index = offset[:, None] + torch.minimum(j[None, :], num_new[:, None] - 1)  # [S, Tq]
     q_pos = start[:, None] + j[None, :]  # [S, Tq] absolute positions (padding runs past the end)
+    is_real = j[None, :] < num_new[:, None]  # [S, Tq]
+    group = AttentionGroup(
+        query_index=query_index,
+        block_ids=block_ids,
+        mask=None,
+        window_mask=None,
+        out_index=query_index[is_real],
+        out_select=is_real.view(-1).nonzero().view(-1) if q_len > 1 and not bool(is_real.all()) else None,
+        context_lens=start + num_new if q_len == 1 else None,
+        window=window,
+    )
+    if q_len > 1 and is_query_at_a_time:  # the kernel takes each query's row and length, no mask
+        group.query_rows = torch.arange(len(spans), device=device)[:, None].expand(-1, q_len)[is_real]
+        group.query_lens = (q_pos + 1)[is_real]
+        return group
     k_pos = torch.arange(num_blocks * block_size, device=device)  # [Lk]
     distance = q_pos[:, :, None] - k_pos[None, None, :]  # [S, Tq, Lk]
     context_len = (start + num_new)[:, None, None]  # [S, 1, 1]
     # Every row keeps key 0, so padded queries never see an all -inf row (NaN).
     is_visible = (distance >= 0) & (k_pos[None, None, :] < context_len)  # [S, Tq, Lk]
-    mask = _additive(is_visible, dtype)
-    window_mask = _additive(is_visible & (distance < window), dtype) if window is not None else None
-    is_real = j[None, :] < num_new[:, None]  # [S, Tq]
-    is_padded = q_len > 1 and not bool(is_real.all())
-    return AttentionGroup(
-        query_index=query_index,
-        block_ids=block_ids,
-        mask=mask,
-        window_mask=window_mask,
-        out_index=query_index[is_real],
-        out_select=is_real.view(-1).nonzero().view(-1) if is_padded else None,
-        context_lens=start + num_new if q_len == 1 else None,
-        window=window,
-        query_rows=torch.arange(len(spans), device=device)[:, None].expand(-1, q_len)[is_real] if q_len > 1 else None,
-        query_lens=(q_pos + 1)[is_real] if q_len > 1 else None,
-    )
+    group.mask = _additive(is_visible, dtype)
+    group.window_mask = _additive(is_visible & (distance < window), dtype) if window is not None else None
+    return group
 
 
 def _additive(is_visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -229,10 +234,6 @@ class PagedAttention:
     # Decode rows attend through this compiled kernel when given (``tether.engine.native``; the runner
     # gives it for fp32 models on CPU only)
     decode_kernel: DecodeAttention | None = None
-    # Prefill chunks (and speculative spans) attend through ``decode_kernel`` too, a query at a time,
-    # instead of SDPA: every token's attention is then the same computation whichever way it is
-    # scheduled (the runner's batch invariance)
-    is_batch_invariant: bool = False
     _slot_writes: SlotWrites | None = field(default=None, init=False)  # the first layer's, for all
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -258,9 +259,9 @@ class PagedAttention:
                     is_short_on_cpu = keys.device.type == "cpu" and keys.shape[2] <= _MAX_KEYS_MATMUL_DECODE
                     is_matmul = keys.dtype == torch.float32 and is_short_on_cpu
                     rows = self._attend_decode(q, keys.transpose(-1, -2), values, group, mask, is_windowed, is_matmul)
-                elif self.is_batch_invariant and self.decode_kernel is not None:
+                elif group.query_rows is not None and self.decode_kernel is not None:
+                    # A query at a time, as a decode row at its position would be: the real queries only
                     window = group.window if is_windowed and group.window is not None else 0
-                    # the real queries only: no padded rows to drop
                     out[group.out_index] = _attend_queries_native(self.decode_kernel, q, keys, values, group, window)
                     continue
                 else:

@@ -231,9 +231,9 @@ class PackedWeights:
     6-layer model).
     """
 
-    def __init__(self, modules: list[PackedLinear], min_rows: list[int] | None = None) -> None:
-        # min_rows: per module, fewer rows than that multiply the plain weight (default 1: never)
-        self._copies = [_Copy(module, rows) for module, rows in zip(modules, min_rows or [1] * len(modules))]
+    def __init__(self, modules: list[tuple[PackedLinear, int]]) -> None:
+        # (module, min_rows): fewer rows than min_rows multiply the plain weight
+        self._copies = [_Copy(module, min_rows) for module, min_rows in modules]
         self._samples: torch.Tensor | None = None  # [num_copies, NUM_SAMPLES] int32 bits at packing
         self.num_reorders = 0
 
@@ -368,4 +368,4 @@ def pack_linears(
             # An fp32 head's 1-row gemv stays on MKL, which streams the plain weight at memory speed.
             is_gemv_plain = module is head and module.weight.dtype == torch.float32 and not is_every_linear
             modules[id(module)] = (module, 2 if is_gemv_plain else 1)
-    return PackedWeights([module for module, _ in modules.values()], [rows for _, rows in modules.values()])
+    return PackedWeights(list(modules.values()))

@@ -101,7 +101,8 @@ class LLMEngine:
             config.cpu_native_attention, config.batch_invariant,
         )
         self.proposer = build_proposer(config, model, draft_model, num_blocks, self.max_model_len)
-        draft = getattr(self.proposer, "runner", None)  # EngineConfig.batch_invariant holds: target and draft
+        self._draft_runner: ModelRunner | None = getattr(self.proposer, "runner", None)  # a draft model's
+        draft = self._draft_runner  # EngineConfig.batch_invariant holds for the target's forward and any draft's
         self.is_batch_invariant = self.runner.is_batch_invariant and (draft is None or draft.is_batch_invariant)
         self.sampler = Sampler()
         self.stats = EngineStats()
@@ -333,7 +334,7 @@ class LLMEngine:
         leave the prefix cache. In a draft model's pool, the sequences it overflowed on stop
         drafting. A scan of the pool, only after such a step.
         """
-        draft = getattr(self.proposer, "runner", None)
+        draft = self._draft_runner
         is_draft_bad = draft is not None and draft.saw_nonfinite()
         if not self.runner.saw_nonfinite() and not is_draft_bad:
             return []

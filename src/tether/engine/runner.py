@@ -113,21 +113,16 @@ class ModelRunner:
         self.decode_kv = DecodeKV(self.cache, num_blocks * block_size, keys_transposed)
         self.packed = PackedWeights([])
         # Batch invariance (EngineConfig.batch_invariant) needs the kernel, which serves fp32 on CPU only.
-        is_invariant_path = batch_invariant in (True, "auto") and self.decode_kernel is not None
+        is_invariant_path = batch_invariant is not False and self.decode_kernel is not None
         if self.device.type == "cpu":  # cuBLAS takes either layout at full speed
             use_transposed_weight_layout(model)
             # The vocabulary projection and the layers' linears multiply by oneDNN-reordered copies of
             # their weights where that is faster (fp32: large or on CPUs where MKL is slow; bf16 with
             # native oneDNN bf16: cpu_kernels), or all of them for batch invariance.
             self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears, is_invariant_path)
-        self.is_batch_invariant = is_invariant_path and self._is_invariant_here(batch_invariant)
+        self.is_batch_invariant = batch_invariant is not False and self._is_invariant_here(batch_invariant)
         # The MLPs' SiLU, computed alike at every offset while this runner serves a step.
         self._mlps = [m for m in model.modules() if isinstance(m, MLP)] if self.is_batch_invariant else []
-        if batch_invariant is True and not self.is_batch_invariant and self.decode_kernel is None:
-            raise ConfigError(
-                "engine.batch_invariant: true needs an fp32 model on the CPU with the compiled attention kernel "
-                "(engine.cpu_native_attention: true and a C++ compiler); set it to auto or false"
-            )
         self.weights = WeightsWatch(model)  # what the KV was computed with: changes outside load_weights
         self._finite_checks: list[torch.Tensor] = []  # per forward since saw_nonfinite(): all finite?
 
@@ -138,10 +133,9 @@ class ModelRunner:
         decode_kv_rows = self.decode_kv.assign(step.spans, self.cache, self.block_size)
         meta = build_step_metadata(
             step.spans, self.block_size, self.sliding_window, self.dtype, self.device, self.cache.pad_block,
-            decode_kv_rows,
+            decode_kv_rows, is_query_at_a_time=self.is_batch_invariant,
         )
-        attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv, self.decode_kernel,
-                              self.is_batch_invariant)
+        attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv, self.decode_kernel)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
         with self.packed.serving(), _silu_swapped(self._mlps):
@@ -159,9 +153,17 @@ class ModelRunner:
             return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
 
     def _is_invariant_here(self, batch_invariant: bool | str) -> bool:
-        """Whether every linear of the model multiplies through a copy whose rows do not depend on the
-        batch, and the activation is computed alike at any offset; under ``batch_invariant: true`` an
-        error where not, under "auto" a warning."""
+        """Whether the invariant path serves this model here: the compiled kernel (fp32 on the CPU),
+        every linear through a copy whose rows do not depend on the batch, and an activation computed
+        alike at any offset. Where not: under ``batch_invariant: true`` an error; under "auto" off,
+        with a warning unless the kernel's path is simply not this one (a GPU, bf16, no compiler)."""
+        if self.decode_kernel is None:
+            if batch_invariant is True:
+                raise ConfigError(
+                    "engine.batch_invariant: true needs an fp32 model on the CPU with the compiled attention "
+                    "kernel (engine.cpu_native_attention: true and a C++ compiler); set it to auto or false"
+                )
+            return False
         linears = {id(m) for m in self.model.modules() if isinstance(m, torch.nn.Linear)}
         if len(self.packed) != len(linears):
             reason = f"{len(linears) - len(self.packed)} of the model's linears cannot be served by oneDNN"

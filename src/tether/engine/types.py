@@ -47,8 +47,6 @@ def _as_int(name: str, value: object) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 1.0
