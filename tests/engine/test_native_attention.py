@@ -94,6 +94,26 @@ def test_query_rows_read_the_keys_they_name(kernel):
 
 
 @needs_toolchain
+@pytest.mark.parametrize("head_dim", [64, 24, 128])
+@pytest.mark.parametrize("window", [0, 5])
+def test_query_rows_in_blocks_give_each_rows_own_bits(kernel, head_dim, window):
+    """Runs of rows reading one sequence (a prefill chunk: 37 and 20 queries, so blocks of 16 and a
+    remainder) share their passes over the keys, and every row still gets the bits it gets alone, in
+    any order of lengths, with a window or not."""
+    torch.manual_seed(head_dim + window)
+    q, k, v = torch.randn(60, 2, 3, head_dim), torch.randn(3, 2, 50, head_dim), torch.randn(3, 2, 50, head_dim)
+    rows = torch.tensor([0] * 37 + [2] * 20 + [1] * 3)
+    lengths = torch.cat([torch.arange(14, 51), torch.randint(1, 51, (20,)), torch.tensor([50, 9, 1])])
+    out = kernel(q, k, v, lengths, 0.2, window, rows)
+    assert torch.equal(out, kernel(q, k[rows], v[rows], lengths, 0.2, window))  # each row alone
+    for s in (0, 36, 40, 59):
+        first = max(0, int(lengths[s]) - window) if window else 0
+        keys, values = k[rows[s], :, first : lengths[s]], v[rows[s], :, first : lengths[s]]
+        weights = torch.softmax(q[s] @ keys.transpose(-1, -2) * 0.2, dim=-1)  # [H, G, n]
+        torch.testing.assert_close(out[s], weights @ values, atol=2e-6, rtol=1e-5)
+
+
+@needs_toolchain
 @pytest.mark.parametrize("head_dim", [64, 24])
 def test_a_rows_output_depends_on_its_own_inputs_only(kernel, head_dim):
     """The same query, keys, values and length give the same bits at any row, beside any other rows,
