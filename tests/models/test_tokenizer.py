@@ -48,6 +48,19 @@ def test_save_and_load_with_auto_tokenizer(tmp_path, tokenizer):
     )
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3", "mistral"])
+def test_a_checkpoints_char_tokenizer_reloads_exactly_whatever_the_model_family(tmp_path, tokenizer, model_type):
+    """``tether train`` saves the character tokenizer next to the model's config.json; reloaded, it
+    keeps spaces and newlines (transformers 5's ``AutoTokenizer`` picks ``Qwen2Tokenizer`` for a qwen2
+    model, which dropped them)."""
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    loaded = load_tokenizer(tmp_path)
+    assert encode_prompt(loaded, TEXT) == encode_prompt(tokenizer, TEXT)
+    assert loaded.decode(loaded.encode(TEXT, add_special_tokens=False)) == TEXT
+    assert loaded.chat_template == tokenizer.chat_template and loaded.eos_token_id == tokenizer.eos_token_id
+
+
 def test_encode_prompt_plain_text_gets_bos_only(tokenizer):
     assert encode_prompt(tokenizer, "ab") == [1, 14, 15]
 

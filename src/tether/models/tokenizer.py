@@ -7,6 +7,7 @@ ordinary ``tokenizer.json`` + ``tokenizer_config.json`` pair that ``AutoTokenize
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,9 +60,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
                    "spiece.model")
 
 
+# ``tokenizer_class`` values that mean "exactly the pipeline in tokenizer.json" (transformers 5, 4).
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """``AutoTokenizer.from_pretrained(path)`` from local files only, errors as ``CheckpointError``."""
-    from transformers import AutoTokenizer
+    """``AutoTokenizer.from_pretrained(path)`` from local files only, errors as ``CheckpointError``.
+
+    A tokenizer saved as the generic class (``tokenizer_class`` ``TokenizersBackend`` or
+    ``PreTrainedTokenizerFast``: the character tokenizer, any ``tokenizer.json`` saved as is) loads as
+    that class: ``AutoTokenizer`` in transformers 5 picks a class from the model's ``model_type``
+    instead, and ``Qwen2Tokenizer`` rebuilt the character tokenizer's pipeline so that it dropped
+    spaces, newlines and non-ASCII characters from every prompt."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     directory = Path(path)
     if not directory.is_dir():
@@ -69,11 +80,21 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     # Without these, AutoTokenizer builds an empty tokenizer from config.json alone (vocabulary of 1).
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{directory}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+    loader = PreTrainedTokenizerFast if _saved_class(directory) in GENERIC_TOKENIZER_CLASSES else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        return loader.from_pretrained(str(directory), local_files_only=True)
     except Exception as error:  # transformers raises OSError, ValueError, KeyError, ... here
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{directory}: cannot load tokenizer ({reason})") from None
+
+
+def _saved_class(directory: Path) -> str | None:
+    """``tokenizer_class`` of the directory's tokenizer_config.json, or None (absent, unreadable)."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, Any]]) -> list[int]:
