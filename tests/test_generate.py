@@ -61,6 +61,12 @@ def test_greedy_equals_transformers_and_format(model_dir, tmp_path):
     ({"prompt": "x", "top_p": 10**400}, "p.jsonl:3: field 'top_p' is out of range"),
     ({"prompt": "x", "stop": ["a", 5]}, "p.jsonl:3: field 'stop' must be a non-empty string or a list of them"),
     ({"prompt": "x", "stops": "a"}, "unknown field 'stops' (did you mean 'stop'?)"),
+    ({"prompt": "x", "temp": 0}, "p.jsonl:3: field 'temp' is not a tether sampling setting (tether's name is "
+                                 "'temperature')"),
+    ({"prompt": "x", "repetition_penalty": 1.1}, "field 'repetition_penalty' is not a tether sampling setting"),
+    ({"prompt": "x", "stop": "a", "stop_strings": "b"}, "give 'stop' or 'stop_strings', not both"),
+    ({"prompt": "x", "stop_token_ids": [2, "a"]}, "field 'stop_token_ids' must be a list of token ids"),
+    ({"prompt": "x", "n": 10**6}, "p.jsonl:3: n must be in [1, 65536]"),
 ])
 def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path, line, needle):
     prompts = tmp_path / "p.jsonl"
@@ -70,6 +76,23 @@ def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path, line, needle):
     assert result.returncode == 2
     assert needle in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_chat_prompt_for_a_tokenizer_without_a_template_names_its_line(model_dir, tmp_path):
+    import shutil
+
+    plain = tmp_path / "no_template"
+    shutil.copytree(model_dir, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = [{"prompt": "ab"}, {"prompt": [{"role": "user", "content": "hi"}]}]
+    result = _run(["--model", str(plain), "--prompts", str(_prompts(tmp_path / "p.jsonl", rows)),
+                   "--output", str(tmp_path / "o.jsonl")], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "p.jsonl:2: " in result.stderr and "no chat template" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "o.jsonl").exists()
 
 
 def test_lines_without_a_seed_sample_with_their_own(model_dir, tmp_path):
@@ -120,7 +143,31 @@ def test_a_prompt_line_may_give_its_own_stop_strings(model_dir, tmp_path):
     stop = free[2]
     expected = (free[: free.index(stop) + 1], "stop")
     assert texts([{"prompt": "ab", "seed": 3, "stop": stop}, {"prompt": "ab", "seed": 3, "stop": ["#", stop]},
-                  {"prompt": "ab", "seed": 3}]) == [expected, expected, (free, reason)]
+                  {"prompt": "ab", "seed": 3, "stop_strings": [stop]},
+                  {"prompt": "ab", "seed": 3}]) == [expected, expected, expected, (free, reason)]
+
+
+def test_stop_token_ids_from_a_line_and_the_command_line(model_dir, tmp_path):
+    from tether.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+
+    def run(rows: list[dict], *extra: str) -> list[dict]:
+        result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / "p.jsonl", rows)),
+                       "--max-new-tokens", "12", "--output", str(tmp_path / "o.jsonl"), *extra], tmp_path)
+        assert result.returncode == 0, result.stderr
+        return [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+
+    [free] = run([{"prompt": "ab", "seed": 3}])
+    third = free["token_ids"][2]
+    assert third not in free["token_ids"][:2] and third != tokenizer.eos_token_id
+    [by_line, by_flag, other] = run([{"prompt": "ab", "seed": 3, "stop_token_ids": [third]},
+                                     {"prompt": "ab", "seed": 3, "stop_token_ids": []},
+                                     {"prompt": "ab", "seed": 4, "max_new_tokens": 1}],
+                                    "--stop-token-id", str(third))
+    for line in (by_line, by_flag):  # the stop token is kept, as an EOS is
+        assert (line["token_ids"], line["finish_reason"]) == (free["token_ids"][:3], "stop")
+    assert other["finish_reason"] in ("length", "stop")
 
 
 @pytest.mark.parametrize(("extra", "needle"), [

@@ -26,8 +26,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                        description="Sample completions with the rollout engine; one JSON line per sample.")
     p.add_argument("--model", required=True, help="Model directory (HF format, with tokenizer).")
     p.add_argument("--prompts", required=True, help="JSONL file: one {'prompt': ...} per line; a line may "
-                   "override max_new_tokens, temperature, top_p, top_k, min_p, seed, n, and stop (a string or a "
-                   "list: its stop strings); a line without a seed gets its own, derived from --seed.")
+                   "override max_new_tokens, temperature, top_p, top_k, min_p, seed, n, stop (a string or a "
+                   "list: its stop strings) and stop_token_ids; a line without a seed gets its own, derived "
+                   "from --seed.")
     p.add_argument("--output", required=True, help="Output JSONL file.")
     p.add_argument("--n", type=int, default=1, help="Samples per prompt.")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -37,6 +38,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="Stop string (repeatable).")
+    p.add_argument("--stop-token-id", action="append", type=int, default=[],
+                   help="Stop token id (repeatable), besides the tokenizer's EOS.")
     p.add_argument("--speculative", choices=["ngram"], help="Speculative decoding with prompt lookup.")
     p.add_argument("--draft-model", help="Speculative decoding with this draft model directory.")
     p.add_argument("--num-speculative-tokens", type=int, default=4)

@@ -3,7 +3,10 @@
 Output: one JSON line per sample with ``prompt_index``, ``sample_index``, ``text``, ``token_ids``,
 ``logprobs``, ``finish_reason`` (plus ``error`` for a request that could not be served). A prompts
 line may override ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed`` and
-``n``, and give ``stop`` (a string or a list of strings: its stop strings, in place of ``--stop``).
+``n``, and give ``stop`` (or ``stop_strings``: a string or a list of strings, its stop strings in
+place of ``--stop``) and ``stop_token_ids`` (a list of token ids, in addition to the tokenizer's EOS
+and ``--stop-token-id``). Sampling settings named as in other tools (``temp``, ``max_tokens``,
+``repetition_penalty``, ...) are refused with the line and the name, never silently ignored.
 A line without a ``seed`` samples with its own seed derived from ``--seed`` and its position
 (``SamplingParams.for_request``): two lines with the same prompt give different samples, and the
 run repeats exactly.
@@ -26,12 +29,18 @@ from tether.data.records import PromptRecord
 from tether.engine.config import EngineConfig
 from tether.engine.engine import LLMEngine
 from tether.engine.types import SamplingParams
-from tether.errors import DataError, TetherError
+from tether.errors import CheckpointError, DataError, TetherError
 from tether.models.checkpoint import load_model, read_model_config
 from tether.models.tokenizer import encode_prompt, load_tokenizer
 
 OVERRIDABLE = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
                "seed": int, "n": int}
+STOP_FIELDS = ("stop", "stop_strings", "stop_token_ids")
+# Sampling settings of other tools (vLLM, OpenAI, transformers): tether's name, or None (no such setting).
+FOREIGN_FIELDS = {"temp": "temperature", "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+                  "stop_sequences": "stop", "num_return_sequences": "n", "best_of": None, "do_sample": None,
+                  "repetition_penalty": None, "presence_penalty": None, "frequency_penalty": None,
+                  "ignore_eos": None, "length_penalty": None}
 
 
 def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> SamplingParams:
@@ -40,8 +49,12 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
     where = record.where or f"{where}:{record.index + 1}"
     values = dict(base)
     for key in record.fields:  # other fields are the user's own (an answer, an id): kept, unused
-        close = difflib.get_close_matches(key, [*OVERRIDABLE, "stop"], n=1, cutoff=0.8)
-        if key not in OVERRIDABLE and key != "stop" and close:
+        if key in FOREIGN_FIELDS:
+            ours = FOREIGN_FIELDS[key]
+            hint = f"tether's name is '{ours}'" if ours else "tether generate has no such setting"
+            raise DataError(f"{where}: field '{key}' is not a tether sampling setting ({hint})")
+        close = difflib.get_close_matches(key, [*OVERRIDABLE, *STOP_FIELDS], n=1, cutoff=0.8)
+        if key not in OVERRIDABLE and key not in STOP_FIELDS and close:
             raise DataError(f"{where}: unknown field '{key}' (did you mean '{close[0]}'?)")
     for key, kind in OVERRIDABLE.items():
         if key in record.fields:
@@ -54,17 +67,33 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
                 values[key] = kind(value)
             except OverflowError:  # an integer with hundreds of digits for a float field
                 raise DataError(f"{where}: field '{key}' is out of range ({str(value)[:20]}...)") from None
-    if "stop" in record.fields:
-        stop = record.fields["stop"]
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
-            raise DataError(f"{where}: field 'stop' must be a non-empty string or a list of them, got {stop!r}")
-        values["stop_strings"] = tuple(stops)
+    if "stop" in record.fields and "stop_strings" in record.fields:
+        raise DataError(f"{where}: give 'stop' or 'stop_strings', not both")
+    for key in ("stop", "stop_strings"):
+        if key in record.fields:
+            stop = record.fields[key]
+            stops = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+                raise DataError(f"{where}: field '{key}' must be a non-empty string or a list of them, got {stop!r}")
+            values["stop_strings"] = tuple(stops)
+    if "stop_token_ids" in record.fields:
+        ids = record.fields["stop_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids):
+            raise DataError(f"{where}: field 'stop_token_ids' must be a list of token ids (ints >= 0), got {ids!r}")
+        values["stop_token_ids"] = (*values.get("stop_token_ids", ()), *ids)
     try:
         params = SamplingParams(**values)
     except ValueError as exc:
         raise DataError(f"{where}: {exc}") from None
     return params if "seed" in record.fields else params.for_request(record.index)
+
+
+def _encode(tokenizer: Any, record: PromptRecord, where: str) -> list[int]:
+    """The line's prompt as token ids; a prompt the tokenizer cannot render names its line."""
+    try:
+        return encode_prompt(tokenizer, record.prompt)
+    except CheckpointError as error:  # a chat prompt for a tokenizer without a chat template
+        raise DataError(f"{record.where or f'{where}:{record.index + 1}'}: {error}") from None
 
 
 def build_engine(args: argparse.Namespace, tokenizer: Any) -> LLMEngine:
@@ -83,7 +112,7 @@ def run_generate(args: argparse.Namespace) -> Path:
     records = load_prompts(args.prompts)
     base = {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed,
-            "stop_strings": tuple(args.stop)}
+            "stop_strings": tuple(args.stop), "stop_token_ids": tuple(args.stop_token_id)}
     if any(not stop for stop in args.stop):
         raise TetherError("--stop: a stop string must not be empty")
     try:
@@ -95,8 +124,9 @@ def run_generate(args: argparse.Namespace) -> Path:
     target, is_regular = _output_target(out)
     partial = target.with_name(target.name + ".partial") if is_regular else target
     _check_writable(out, partial, is_regular)  # before generating: nothing computed is lost to a bad path
+    prompt_ids = [_encode(tokenizer, r, args.prompts) for r in records]  # before the engine: a bad line fails fast
     engine = build_engine(args, tokenizer)
-    completions = engine.generate([encode_prompt(tokenizer, r.prompt) for r in records], params)
+    completions = engine.generate(prompt_ids, params)
     with partial.open("w") as f:
         for c in completions:
             line = {"prompt_index": c.prompt_index, "sample_index": c.sample_index,

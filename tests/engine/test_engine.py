@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from helpers.hf_tiny import FAMILIES, make_hf_checkpoint
 from helpers.reference import assert_same_completions, full_forward_logprobs
 from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
-from tether.errors import CheckpointError, ConfigError
+from tether.errors import CheckpointError, ConfigError, RequestError
 from tether.models import build_char_tokenizer, load_model
 from tether.training.optim import build_optimizer
 
@@ -303,6 +303,30 @@ def test_bad_requests_fail_alone(qwen2_path):
     small = make_engine(qwen2_path, num_kv_blocks=2, block_size=4)
     too_big = small.generate([[5, 6, 7], [5]], SamplingParams(temperature=0.0, max_new_tokens=20))
     assert too_big[0].finish_reason == "error" and "KV blocks" in too_big[0].error
+    vocab_size = engine.model.config.vocab_size
+    stops = engine.generate([[5, 6, 7]] * 2, [SamplingParams(max_new_tokens=4, stop_token_ids=(vocab_size,)),
+                                              SamplingParams(temperature=0.0, max_new_tokens=4)])
+    assert stops[0].finish_reason == "error"
+    assert f"stop token id {vocab_size} is not in the vocabulary" in stops[0].error
+    assert stops[1].token_ids == completions[4].token_ids
+
+
+def test_api_misuse_gets_one_line_errors_and_conveniences_work(qwen2_path):
+    engine = make_engine(qwen2_path)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    expected = engine.generate([[5, 6, 7]], greedy)[0].token_ids
+    assert engine.generate(iter([[5, 6, 7]]), greedy)[0].token_ids == expected  # any iterable of prompts
+    assert [c.num_tokens for c in engine.generate([[5, 6, 7]])] == [SamplingParams().max_new_tokens]  # defaults
+    with pytest.raises(RequestError, match="params must be a SamplingParams"):
+        engine.generate([[5, 6, 7]], {"temperature": 0.0})
+    with pytest.raises(RequestError, match="add_request: params must be a SamplingParams, got dict"):
+        engine.add_request([5, 6, 7], {"temperature": 0.0})
+    request_id = engine.add_request([5, 6, 7], greedy)
+    engine.abort(request_id)  # one id, not only an iterable of them
+    [aborted] = engine.step()
+    assert aborted.finish_reason == "abort" and not engine.has_unfinished()
+    with pytest.raises(ValueError, match="n must be in"):
+        SamplingParams(n=10**11)  # refused before 10**11 samples are made
 
 
 def test_a_numpy_integer_seed_samples_as_its_int(qwen2_path):
@@ -468,8 +492,22 @@ def test_a_failed_update_leaves_weights_version_and_prefix_cache_as_they_were(qw
         engine.update_weights(update, version=1)
     assert torch.equal(layer, saved) and engine.policy_version == 0
     assert engine.block_manager.num_cached_blocks == num_cached
+    # Wrong kinds of values, checked before anything is copied (a numpy array passed the shape check
+    # and failed inside copy_, after the first tensors had landed).
+    zeros = ("model.layers.0.self_attn.v_proj.weight", torch.zeros_like(layer))
+    for bad, needle in [([zeros, ("model.norm.weight", np.ones(saved.shape[1], dtype=np.float32))], "is ndarray"),
+                        ([zeros, ("model.norm.weight", torch.empty(saved.shape[1], device="meta"))], "meta tensor"),
+                        ([zeros, ("model.norm.weight", torch.ones(saved.shape[1], dtype=torch.long))], "torch.int64"),
+                        ([zeros, torch.ones(3)], r"item 1 is Tensor, not a \(name, tensor\) pair")]:
+        with pytest.raises(CheckpointError, match=needle):
+            engine.update_weights(bad, version=1)
+        assert torch.equal(layer, saved) and engine.policy_version == 0
+    with pytest.raises(CheckpointError, match="version must be an int"):
+        engine.update_weights([zeros], version="v2")
     again = engine.generate([PROMPTS[0]], params)[0]
     assert again.token_ids == before.token_ids and again.versions == [0] * 6
+    engine.update_weights(dict([zeros]), version=1)  # a state dict is taken as its items
+    assert not layer.any() and engine.policy_version == 1
 
 
 @pytest.mark.parametrize("native_attention", [True, False])

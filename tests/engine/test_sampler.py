@@ -119,8 +119,11 @@ def make_seq(prompt: list[int], params: SamplingParams, stop_ids=()) -> Sequence
 
 
 class CharTokenizer:
-    def decode(self, token_ids: list[int]) -> str:
-        return "".join(chr(ord("a") + t) for t in token_ids)
+    """Token t is the letter chr(ord("a") + t); 0 is a special token ("<s>", left out when asked)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        specials = {0} if skip_special_tokens else set()
+        return "".join("<s>" if t == 0 else chr(ord("a") + t) for t in token_ids if t not in specials)
 
 
 def test_finish_reasons():
@@ -147,10 +150,23 @@ def test_stop_string_spanning_tokens_and_ignoring_the_prompt():
     assert finish_reason(seq, 100, CharTokenizer()) == "stop"
 
 
+def test_a_stop_string_does_not_match_a_special_tokens_text():
+    """The text a user sees has no special tokens: "s>" is not stopped by the special token "<s>", and
+    a stop string split by a special token still stops (its text is "xy" around it)."""
+    seq = make_seq([2, 3], SamplingParams(stop_strings=("s>", "xy")))
+    seq.append_token(0, -1.0, 0)  # "<s>"
+    assert finish_reason(seq, 100, CharTokenizer()) is None
+    seq.append_token(23, -1.0, 0)  # "x"
+    seq.append_token(0, -1.0, 0)
+    assert finish_reason(seq, 100, CharTokenizer()) is None
+    seq.append_token(24, -1.0, 0)  # "y"
+    assert finish_reason(seq, 100, CharTokenizer()) == "stop"
+
+
 class ByteTokenizer:
     """A token per UTF-8 byte, as byte-level BPE falls back to for characters it has no merge for."""
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return bytes(token_ids).decode("utf-8", errors="replace")
 
 

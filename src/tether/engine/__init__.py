@@ -1,8 +1,8 @@
 """The rollout engine: paged KV cache, prefix caching, continuous batching, per-token log-probs."""
 
 from tether.engine.config import EngineConfig
-from tether.engine.engine import EngineStats, LLMEngine
-from tether.engine.types import Completion, FinishReason, Generator, SamplingParams
+from tether.engine.engine import LLMEngine
+from tether.engine.types import Completion, EngineStats, FinishReason, Generator, SamplingParams
 
 __all__ = [
     "Completion",

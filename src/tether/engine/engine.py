@@ -24,40 +24,23 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceLike
-from dataclasses import dataclass
 
 import torch
 
 from tether.engine.attention import SeqSpan
 from tether.engine.block_manager import BlockManager
 from tether.engine.config import EngineConfig
-from tether.engine.requests import prompt_token_ids, request_error, resolve_max_model_len
+from tether.engine.requests import batch_params, prompt_token_ids, request_error, resolve_max_model_len
 from tether.engine.rng import SampleRNG
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput, num_kv_blocks_for
 from tether.engine.sampler import Detokenizer, Sampler, finish_reason
 from tether.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tether.engine.sequence import Sequence, sample_seed
 from tether.engine.speculative import Proposal, build_proposer, verify
-from tether.engine.types import Completion, SamplingParams
-from tether.errors import RequestError
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_steps: int = 0
-    num_prefill_tokens: int = 0  # prompt tokens run through the model (recomputes after preemption count)
-    num_decode_tokens: int = 0  # generated tokens run through the model
-    num_generated_tokens: int = 0  # tokens sampled
-    num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_preemptions: int = 0
-    num_draft_tokens: int = 0  # speculative draft tokens verified by the target
-    num_accepted_tokens: int = 0  # of those, accepted by the rejection-sampling test
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+from tether.engine.types import Completion, EngineStats, SamplingParams
+from tether.errors import CheckpointError, RequestError
 
 
 class LLMEngine:
@@ -122,6 +105,8 @@ class LLMEngine:
         ``step()`` with ``finish_reason="error"`` and a one-line ``error``.
         """
         params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):  # a programming error, not a request to fail
+            raise RequestError(f"add_request: params must be a SamplingParams, got {type(params).__name__}")
         request_id = self._next_request_id
         self._next_request_id += 1
         prompt, error = prompt_token_ids(prompt_ids)
@@ -147,10 +132,14 @@ class LLMEngine:
         self.scheduler.add(seqs[0])
         return request_id
 
-    def abort(self, request_ids: Iterable[int] | None = None) -> None:
-        """Stop requests (all when None); their completions, ``finish_reason="abort"``, come out of
-        the next ``step()`` with the tokens generated so far."""
-        for request_id in list(self._requests) if request_ids is None else list(request_ids):
+    def abort(self, request_ids: int | Iterable[int] | None = None) -> None:
+        """Stop requests (one id, several, or all when None); their completions,
+        ``finish_reason="abort"``, come out of the next ``step()`` with the tokens generated so far."""
+        if request_ids is None:
+            request_ids = list(self._requests)
+        elif isinstance(request_ids, int):
+            request_ids = [request_ids]
+        for request_id in list(request_ids):
             for seq in self._requests.pop(request_id, []):
                 if seq.is_finished:
                     continue
@@ -358,16 +347,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ batch API
 
     def generate(
-        self, prompts: SequenceLike[SequenceLike[int]], params: SamplingParams | SequenceLike[SamplingParams]
+        self, prompts: Iterable[SequenceLike[int]], params: SamplingParams | Iterable[SamplingParams] | None = None
     ) -> list[Completion]:
         """``n`` completions per prompt, grouped by prompt in order (sample 0..n-1 within a group).
 
+        ``params``: one ``SamplingParams`` for every prompt, one per prompt, or None (the defaults).
         ``Completion.prompt_index`` is the prompt's index in ``prompts``. Completions of requests
         added earlier through ``add_request`` are kept for the next ``step()``.
         """
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params_list) != len(prompts):
-            raise RequestError(f"generate got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        prompts, params_list = batch_params(prompts, params)
         prompt_index: dict[int, int] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
@@ -401,13 +389,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy new weights into the model in place; tokens sampled from now on carry ``version``.
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
+    ) -> None:
+        """Copy new weights (``(name, tensor)`` pairs or a state dict) into the model in place; tokens
+        sampled from now on carry ``version``. A bad update raises ``CheckpointError`` and changes
+        nothing.
 
         Call between steps, from the thread that steps the engine. Weights changed in place by other
         means (``load_state_dict``, an optimizer step on the engine's model) are found at the next
         step and treated the same way, without a new version; writes through ``.data`` are not.
         """
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise CheckpointError(f"update_weights: version must be an int, got {version!r}")
         self.runner.load_weights(named_tensors)
         self.policy_version = version
         self._on_new_weights()

@@ -8,11 +8,27 @@ A request the engine cannot serve gets one line saying why (``request_error``), 
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceLike
 
 from tether.engine.config import EngineConfig
 from tether.engine.types import SamplingParams
-from tether.errors import ConfigError
+from tether.errors import ConfigError, RequestError
+
+
+def batch_params(
+    prompts: Iterable[SequenceLike[int]], params: SamplingParams | Iterable[SamplingParams] | None
+) -> tuple[list[SequenceLike[int]], list[SamplingParams]]:
+    """``LLMEngine.generate``'s prompts as a list and a ``SamplingParams`` for each: ``params`` is one
+    for all, one per prompt, or None (the defaults); a ``RequestError`` for anything else."""
+    prompts = list(prompts)
+    params = SamplingParams() if params is None else params
+    params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if not all(isinstance(sp, SamplingParams) for sp in params_list):
+        raise RequestError("generate: params must be a SamplingParams, a sequence of them, or None")
+    if len(params_list) != len(prompts):
+        raise RequestError(f"generate got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+    return prompts, params_list
 
 
 def prompt_token_ids(prompt_ids: SequenceLike[int]) -> tuple[list[int], str | None]:
@@ -47,6 +63,9 @@ def request_error(
         bad = low if low < 0 else high
         position = prompt.index(bad)
         return f"token id {bad} at position {position} is not in the vocabulary [0, {vocab_size})"
+    outside = [t for t in params.stop_token_ids if t >= vocab_size]
+    if outside:
+        return f"stop token id {outside[0]} is not in the vocabulary [0, {vocab_size})"
     if len(prompt) >= max_model_len:
         return f"the prompt has {len(prompt)} tokens; max_model_len={max_model_len} leaves no room"
     if params.stop_strings and not has_tokenizer:

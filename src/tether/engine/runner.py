@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -208,17 +208,31 @@ class ModelRunner:
         return poisoned, bad_blocks
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> int:
         """Copy tensors into the model's parameters in place (same storage); returns how many.
 
-        Every name and shape is checked before anything is copied: a bad update raises and leaves
-        the weights as they were, never half old and half new."""
+        ``(name, tensor)`` pairs or a mapping (a state dict). Every name, type, dtype and shape is
+        checked before anything is copied: a bad update raises and leaves the weights as they were,
+        never half old and half new."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        updates = list(named_tensors)
-        for name, tensor in updates:
+        updates = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        for index, item in enumerate(updates):
+            if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
+                raise CheckpointError(
+                    f"update_weights: item {index} is {type(item).__name__}, not a (name, tensor) pair "
+                    "(pass state_dict.items() or a state dict)")
+            name, tensor = item
             param = params.get(name)
             if param is None:
                 raise CheckpointError(f"update_weights: the model has no parameter named {name!r}")
+            if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+                kind = "a meta tensor" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise CheckpointError(f"update_weights: {name} is {kind}, not a tensor with data")
+            if not tensor.is_floating_point():
+                raise CheckpointError(
+                    f"update_weights: {name} is {tensor.dtype}, the model's parameter is {param.dtype}")
             if param.shape != tensor.shape:
                 raise CheckpointError(
                     f"update_weights: {name} has shape {tuple(tensor.shape)}, "

@@ -36,7 +36,7 @@ _SAMPLE_ROW_BLOCK = 16  # rows per block of the unfiltered sampler's passes (see
 
 
 class Detokenizer(Protocol):
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
 
 @dataclass(slots=True)
@@ -244,8 +244,11 @@ def finish_reason(seq: Sequence, max_model_len: int, tokenizer: Detokenizer | No
 
 
 def _has_stop_string(seq: Sequence, tokenizer: Detokenizer) -> bool:
-    """Whether the completion's tail contains a stop string (only the tail: earlier ones stopped it)."""
+    """Whether the completion's tail contains a stop string (only the tail: earlier ones stopped it).
+    Special tokens are left out of the text, as in the text ``tether generate`` writes (and vLLM's): a
+    stop string "os" does not match ``<eos>``; stop a special token by its id (``stop_token_ids``)."""
     stop_strings = seq.params.stop_strings
     num_window = max(len(s.encode("utf-8")) for s in stop_strings) + _STOP_WINDOW_EXTRA_TOKENS
-    tail = tokenizer.decode(seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - num_window) :])
+    window = seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - num_window) :]
+    tail = tokenizer.decode(window, skip_special_tokens=True)
     return any(s in tail for s in stop_strings)

@@ -29,6 +29,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # logits (inf, then NaN probabilities). 0 is greedy.
 MIN_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: the same as 0 (no top-k)
+MAX_SAMPLES = 2**16  # n: a group's samples are made when its request is added
 
 
 def _as_float(name: str, value: object) -> float:
@@ -56,9 +57,10 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
-    # Per-request seed: the sampler's draws depend on it alone, not on the batch (the logits can
-    # differ in their last bits with the batch's shape, which at a near-tie flips a draw: see
-    # ``tether.engine.sampler``). None: the engine draws one from its own stream (``EngineConfig.seed``).
+    # Per-request seed: the sampler's draws depend on it alone, not on the batch; with batch
+    # invariance (``EngineConfig.batch_invariant``) the logits do not either, so the sample is the same
+    # bit for bit in any batch (without it they can differ in their last bits, which at a near-tie
+    # flips a draw). None: the engine draws one from its own stream (``EngineConfig.seed``).
     seed: int | None = None
     n: int = 1  # samples per prompt (a GRPO group); they share the prompt's KV
 
@@ -95,8 +97,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
         if self.seed is not None:  # a numpy integer is kept as a Python int (its arithmetic overflows)
             try:
                 object.__setattr__(self, "seed", operator.index(self.seed))
@@ -120,6 +122,22 @@ class SamplingParams:
         if self.seed is None:
             return self
         return replace(self, seed=derived_seed(self.seed, index))
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens run through the model (recomputes after preemption count)
+    num_decode_tokens: int = 0  # generated tokens run through the model
+    num_generated_tokens: int = 0  # tokens sampled
+    num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative draft tokens verified by the target
+    num_accepted_tokens: int = 0  # of those, accepted by the rejection-sampling test
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass(slots=True)
