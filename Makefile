@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/grpo_step.py --rounds 2 --threads 1
 	$(BIN)/python bench/engine_throughput.py --threads 2
 	$(BIN)/python bench/engine_throughput.py --threads 2 --dtype bfloat16
+	$(BIN)/python bench/long_prompt_prefill.py --threads 2
 	$(BIN)/python bench/spec_decode.py --cache-dir $(BENCH_CACHE)/spec
 	$(BIN)/python bench/async_rl.py --sft-steps 400 --rl-steps 150 --sft-cache $(BENCH_CACHE) \
 		--variants sync,sync_1t,s1,s1_noboot,s2,s2_cut,s4_ppo_behav,s4 --repeats 3
