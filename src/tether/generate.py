@@ -48,7 +48,9 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
     seed of its own gets one derived from the base seed and its position."""
     where = record.where or f"{where}:{record.index + 1}"
     values = dict(base)
-    for key in record.fields:  # other fields are the user's own (an answer, an id): kept, unused
+    # Other fields are the user's own (an answer, an id): kept, unused; but not other tools' names for
+    # sampling settings, which would silently not apply.
+    for key in record.fields:
         if key in FOREIGN_FIELDS:
             ours = FOREIGN_FIELDS[key]
             hint = f"tether's name is '{ours}'" if ours else "tether generate has no such setting"

@@ -322,7 +322,7 @@ def test_api_misuse_gets_one_line_errors_and_conveniences_work(qwen2_path):
     with pytest.raises(RequestError, match="add_request: params must be a SamplingParams, got dict"):
         engine.add_request([5, 6, 7], {"temperature": 0.0})
     request_id = engine.add_request([5, 6, 7], greedy)
-    engine.abort(request_id)  # one id, not only an iterable of them
+    engine.abort(np.int64(request_id))  # one id (a numpy integer too), not only an iterable of them
     [aborted] = engine.step()
     assert aborted.finish_reason == "abort" and not engine.has_unfinished()
     with pytest.raises(ValueError, match="n must be in"):
@@ -498,6 +498,7 @@ def test_a_failed_update_leaves_weights_version_and_prefix_cache_as_they_were(qw
     for bad, needle in [([zeros, ("model.norm.weight", np.ones(saved.shape[1], dtype=np.float32))], "is ndarray"),
                         ([zeros, ("model.norm.weight", torch.empty(saved.shape[1], device="meta"))], "meta tensor"),
                         ([zeros, ("model.norm.weight", torch.ones(saved.shape[1], dtype=torch.long))], "torch.int64"),
+                        ([zeros, ("model.norm.weight", torch.ones(saved.shape[1]).to_sparse())], "sparse_coo"),
                         ([zeros, torch.ones(3)], r"item 1 is Tensor, not a \(name, tensor\) pair")]:
         with pytest.raises(CheckpointError, match=needle):
             engine.update_weights(bad, version=1)

@@ -114,6 +114,18 @@ def test_query_rows_in_blocks_give_each_rows_own_bits(kernel, head_dim, window):
 
 
 @needs_toolchain
+def test_query_rows_over_a_long_context_split_their_block_and_keep_their_bits(kernel):
+    """16 rows x 8 query heads x 33,000 keys of scores pass the kernel's 16 MB per block: the rows
+    go in smaller blocks, each still with the bits it gets alone."""
+    torch.manual_seed(5)
+    num_keys = 33_000
+    q, k, v = torch.randn(16, 1, 8, 16), torch.randn(1, 1, num_keys, 16), torch.randn(1, 1, num_keys, 16)
+    rows, lengths = torch.zeros(16, dtype=torch.long), torch.arange(num_keys - 15, num_keys + 1)
+    out = kernel(q, k, v, lengths, 0.25, 0, rows)
+    assert torch.equal(out, kernel(q, k.expand(16, -1, -1, -1), v.expand(16, -1, -1, -1), lengths, 0.25, 0))
+
+
+@needs_toolchain
 @pytest.mark.parametrize("head_dim", [64, 24])
 def test_a_rows_output_depends_on_its_own_inputs_only(kernel, head_dim):
     """The same query, keys, values and length give the same bits at any row, beside any other rows,

@@ -23,6 +23,7 @@ tested against the row's logits, so that every token of a seeded sample passes t
 from __future__ import annotations
 
 import math
+import numbers
 import random
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceLike
@@ -137,8 +138,8 @@ class LLMEngine:
         ``finish_reason="abort"``, come out of the next ``step()`` with the tokens generated so far."""
         if request_ids is None:
             request_ids = list(self._requests)
-        elif isinstance(request_ids, int):
-            request_ids = [request_ids]
+        elif isinstance(request_ids, numbers.Integral):
+            request_ids = [int(request_ids)]
         for request_id in list(request_ids):
             for seq in self._requests.pop(request_id, []):
                 if seq.is_finished:

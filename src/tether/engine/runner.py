@@ -227,9 +227,10 @@ class ModelRunner:
             param = params.get(name)
             if param is None:
                 raise CheckpointError(f"update_weights: the model has no parameter named {name!r}")
-            if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
-                kind = "a meta tensor" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                raise CheckpointError(f"update_weights: {name} is {kind}, not a tensor with data")
+            if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.layout != torch.strided:
+                kind = (type(tensor).__name__ if not isinstance(tensor, torch.Tensor)
+                        else "a meta tensor" if tensor.is_meta else f"a {tensor.layout} tensor")
+                raise CheckpointError(f"update_weights: {name} is {kind}, not a dense tensor with data")
             if not tensor.is_floating_point():
                 raise CheckpointError(
                     f"update_weights: {name} is {tensor.dtype}, the model's parameter is {param.dtype}")
