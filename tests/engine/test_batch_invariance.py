@@ -158,6 +158,21 @@ def test_batch_invariant_true_is_an_error_where_it_cannot_hold(model):
         EngineConfig(batch_invariant="yes")
 
 
+def test_a_kernel_whose_query_blocks_differ_turns_invariance_off(model, monkeypatch):
+    """The engine checks at start that the compiled kernel gives a prefill chunk's query rows the bits
+    they get alone (true by construction; the check guards the compiler's part). Where it fails:
+    "auto" warns and runs without invariance, true is a one-line error."""
+    from tether.engine import native, runner
+
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert native.are_query_rows_invariant(native.decode_attention_kernel(), groups, model.config.head_dim)
+    monkeypatch.setattr(runner, "are_query_rows_invariant", lambda *args: False)
+    with pytest.warns(RuntimeWarning, match="batch invariance is off: the compiled attention kernel gives"):
+        assert not LLMEngine(model, config=EngineConfig(num_kv_blocks=64)).is_batch_invariant
+    with pytest.raises(ConfigError, match="batch_invariant: true is unavailable: the compiled attention kernel"):
+        LLMEngine(model, config=EngineConfig(num_kv_blocks=64, batch_invariant=True))
+
+
 def test_bf16_runs_without_batch_invariance(tmp_path):
     path = make_hf_checkpoint(tmp_path / "m", "qwen2", seed=1, with_tokenizer=False)
     bf16 = load_model(path).to(torch.bfloat16)

@@ -181,3 +181,20 @@ def decode_attention_kernel() -> DecodeAttention | None:
                       stacklevel=2)
         return None
     return module.decode_attention
+
+
+@functools.cache
+def are_query_rows_invariant(kernel: DecodeAttention, group: int, head_dim: int) -> bool:
+    """Whether the kernel gives query rows that share a block (a prefill chunk's) the bits each gets
+    alone, for this query-head group and head size, on random inputs (with and without a window).
+    It does by construction, as one translation unit's code for both; this checks what the compiler
+    made of it, once per process and shape."""
+    generator = torch.Generator().manual_seed(0)
+    num_rows, num_keys = 21, 40  # a block of 16 and one of 5
+    q = torch.randn(num_rows, 2, group, head_dim, generator=generator)
+    k, v = (torch.randn(1, 2, num_keys, head_dim, generator=generator) for _ in range(2))
+    rows, lengths = torch.zeros(num_rows, dtype=torch.long), torch.arange(num_keys - num_rows + 1, num_keys + 1)
+    alone_k, alone_v = k.expand(num_rows, -1, -1, -1), v.expand(num_rows, -1, -1, -1)
+    return all(torch.equal(kernel(q, k, v, lengths, head_dim**-0.5, window, rows),
+                           kernel(q, alone_k, alone_v, lengths, head_dim**-0.5, window))
+               for window in (0, 7))

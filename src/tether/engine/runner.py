@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
 from tether.engine.cpu_kernels import PackedWeights, is_silu_invariant, pack_linears, sample_view, silu_invariant
 from tether.engine.kv_cache import DecodeKV, KVCache
-from tether.engine.native import decode_attention_kernel
+from tether.engine.native import are_query_rows_invariant, decode_attention_kernel
 from tether.engine.sequence import Sequence
 from tether.errors import CheckpointError, ConfigError
 from tether.models.attention import AttentionBackend
@@ -42,6 +42,7 @@ class ModelShape(Protocol):
 
     vocab_size: int
     num_hidden_layers: int
+    num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
@@ -165,12 +166,16 @@ class ModelRunner:
                 )
             return False
         linears = {id(m) for m in self.model.modules() if isinstance(m, torch.nn.Linear)}
+        cfg = self.model.config
         if len(self.packed) != len(linears):
             reason = f"{len(linears) - len(self.packed)} of the model's linears cannot be served by oneDNN"
         elif not self.packed.are_rows_invariant():
             reason = "oneDNN's linears round a row differently with the batch's size on this CPU"
         elif not is_silu_invariant():
             reason = "torch's exp rounds an element differently by its place in a tensor on this CPU"
+        elif not are_query_rows_invariant(self.decode_kernel, cfg.num_attention_heads // cfg.num_key_value_heads,
+                                          cfg.head_dim):
+            reason = "the compiled attention kernel gives a prefill chunk's queries other bits than alone"
         else:
             return True
         if batch_invariant is True:
