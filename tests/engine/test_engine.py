@@ -396,6 +396,10 @@ def test_bad_config_is_a_config_error(qwen2_path):
         make_engine(qwen2_path, enable_chunked_prefill=False, max_num_batched_tokens=16)
     with pytest.raises(ConfigError, match="block_size"):
         EngineConfig(block_size=0)
+    for bad in (2, "2", [2, -1], [2.0], [True]):
+        with pytest.raises(ConfigError, match="engine.stop_token_ids must be token ids"):
+            EngineConfig(stop_token_ids=bad)
+    assert EngineConfig(stop_token_ids=[np.int64(2), 7]).stop_token_ids == (2, 7)
 
 
 def test_sliding_window_matches_transformers(tmp_path):

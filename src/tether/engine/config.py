@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tether.errors import ConfigError
@@ -97,6 +99,12 @@ class EngineConfig:
                 f"engine.ngram_min/ngram_max must satisfy 1 <= ngram_min <= ngram_max, "
                 f"got {self.ngram_min}, {self.ngram_max}"
             )
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise ConfigError(f"engine.stop_token_ids must be token ids (ints >= 0), got {ids!r}")
+        self.stop_token_ids = tuple(int(t) for t in ids)
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError(
                 f"engine.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
