@@ -46,7 +46,7 @@ FOREIGN_FIELDS = {"temp": "temperature", "max_tokens": "max_new_tokens", "max_co
 def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> SamplingParams:
     """The CLI's sampling settings, overridden by the prompt line's own fields; a line without a
     seed of its own gets one derived from the base seed and its position."""
-    where = record.where or f"{where}:{record.index + 1}"
+    where = _line(record, where)
     values = dict(base)
     # Other fields are the user's own (an answer, an id): kept, unused; but not other tools' names for
     # sampling settings, which would silently not apply.
@@ -95,7 +95,12 @@ def _encode(tokenizer: Any, record: PromptRecord, where: str) -> list[int]:
     try:
         return encode_prompt(tokenizer, record.prompt)
     except CheckpointError as error:  # a chat prompt for a tokenizer without a chat template
-        raise DataError(f"{record.where or f'{where}:{record.index + 1}'}: {error}") from None
+        raise DataError(f"{_line(record, where)}: {error}") from None
+
+
+def _line(record: PromptRecord, path: str) -> str:
+    """Where a prompts line is, for its errors: ``file:line`` as read, else its index in ``path``."""
+    return record.where or f"{path}:{record.index + 1}"
 
 
 def build_engine(args: argparse.Namespace, tokenizer: Any) -> LLMEngine:

@@ -211,9 +211,9 @@ class EngineSection(Section):
         "or in any batch, in any prefill chunk, from the prefix cache, in a speculative span), so a seeded "
         "request samples the same tokens and log-probs in any batch: `auto` where the path for it is "
         "available (fp32 on the CPU with the compiled kernel: every linear through oneDNN, prefill "
-        "queries through the kernel: as fast on the engine benchmark, prompts of 500-3000 tokens "
-        "prefill 1.2-1.5x slower, tiny models pay oneDNN's ~25 us a call), `true` (an error where it is "
-        "not), `false`.")
+        "queries through the kernel: as fast on the engine benchmark and on prompts of 500-3000 tokens; "
+        "tiny models pay oneDNN's ~25 us a call, ~0.6x at batch 1), `true` (an error where it is not), "
+        "`false`.")
 
     @field_validator("batch_invariant", mode="before")
     @classmethod

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tether.engine.types import as_stop_token_ids
 from tether.errors import ConfigError
 
 SPECULATIVE_METHODS = (None, "ngram", "draft")
@@ -54,10 +53,10 @@ class EngineConfig:
     # CPU path for fp32 models with the compiled kernel: every linear multiplies through oneDNN's
     # reordered weights (whose rows do not depend on the row count; checked on this CPU when the
     # engine starts), SiLU is computed alike at every offset, and prefill queries attend through the
-    # decode kernel, each alone, in a fixed order (prompts of 500-3000 tokens prefill 1.2-1.5x
-    # slower than with SDPA). "auto": on where that path is available, else off; True: an error where
-    # it is not; False: off (MKL's few-row kernels, F.silu and SDPA round a row by the batch's
-    # shape, ~1e-6).
+    # decode kernel, each with the bits it gets alone (prompts of 500-3000 tokens prefill at 0.8-1.02x
+    # the time SDPA takes: bench/long_prompt_prefill.py). "auto": on where that path is available,
+    # else off; True: an error where it is not; False: off (MKL's few-row kernels, F.silu and SDPA
+    # round a row by the batch's shape, ~1e-6).
     batch_invariant: bool | str = "auto"
     # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged, and
     # with prompt lookup a seeded request's samples too):
@@ -99,12 +98,10 @@ class EngineConfig:
                 f"engine.ngram_min/ngram_max must satisfy 1 <= ngram_min <= ngram_max, "
                 f"got {self.ngram_min}, {self.ngram_max}"
             )
-        ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids
-        ):
-            raise ConfigError(f"engine.stop_token_ids must be token ids (ints >= 0), got {ids!r}")
-        self.stop_token_ids = tuple(int(t) for t in ids)
+        try:
+            self.stop_token_ids = as_stop_token_ids(self.stop_token_ids)
+        except ValueError as error:
+            raise ConfigError(f"engine.stop_token_ids must be token ids (ints >= 0): {error}") from None
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError(
                 f"engine.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"

@@ -363,17 +363,12 @@ class LLMEngine:
         """
         prompts, params_list = batch_params(prompts, params)
         prompt_index: dict[int, int] = {}
-        try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
-                prompt_index[self.add_request(prompt, sp)] = i
-        except BaseException:  # none of this call's requests stays behind to fill later steps
-            self.abort(prompt_index)
-            self._done = [c for c in self._done if c.request_id not in prompt_index]
-            raise
         results: list[list[Completion]] = [[] for _ in prompts]
         num_left = sum(sp.n for sp in params_list)
         others: list[Completion] = []
         try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
+                prompt_index[self.add_request(prompt, sp)] = i
             while num_left > 0:
                 if not self.scheduler.has_unfinished() and not self._done:
                     raise RuntimeError(f"engine idle with {num_left} completions outstanding")  # a bug, not input
@@ -385,7 +380,7 @@ class LLMEngine:
                     completion.prompt_index = index
                     results[index].append(completion)
                     num_left -= 1
-        except BaseException:  # a step raised: this call's requests do not linger into the next call
+        except BaseException:  # adding or a step raised: none of this call's requests lingers into later calls
             self.abort(prompt_index)
             self._done = [c for c in self._done if c.request_id not in prompt_index]
             raise

@@ -48,6 +48,16 @@ def _as_int(name: str, value: object) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
+def as_stop_token_ids(value: object) -> tuple[int, ...]:
+    """Stop token ids as a tuple of Python ints >= 0 (numpy integers too); a ``ValueError`` otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"stop_token_ids must be a sequence of token ids, got {value!r}")
+    stop_ids = tuple(_as_int("a stop token id", t) for t in value)
+    if any(t < 0 for t in stop_ids):
+        raise ValueError(f"stop token ids must be >= 0, got {stop_ids}")
+    return stop_ids
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -77,12 +87,7 @@ class SamplingParams:
             object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if not isinstance(self.stop_strings, tuple) or not all(isinstance(s, str) and s for s in self.stop_strings):
             raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
-            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
-        stop_ids = tuple(_as_int("a stop token id", t) for t in self.stop_token_ids)
-        if any(t < 0 for t in stop_ids):
-            raise ValueError(f"stop token ids must be >= 0, got {stop_ids}")
-        object.__setattr__(self, "stop_token_ids", stop_ids)
+        object.__setattr__(self, "stop_token_ids", as_stop_token_ids(self.stop_token_ids))
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
