@@ -11,7 +11,8 @@ work is the prompt's prefill and one vocabulary projection per prompt). Systems,
   chunked prefill under the engine's default step budget (2,048 tokens), with the default
   ``engine.batch_invariant: auto`` (on here where the compiled kernel builds: every prompt token
   attends through the compiled kernel, query blocks sharing each pass over the keys) and with
-  ``batch_invariant: false`` (SDPA over the gathered context);
+  ``batch_invariant: false`` (the same kernel for attention since 2026-12-07; before, SDPA over the
+  gathered context; MKL's linears and ``F.silu`` instead of oneDNN's and the invariant SiLU);
 * transformers: one forward of the ``[num_prompts, L]`` batch (sdpa attention, causal), logits of
   the last position only (``logits_to_keep=1``), under ``torch.inference_mode``.
 

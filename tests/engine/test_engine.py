@@ -431,6 +431,18 @@ def test_pool_sized_from_a_byte_budget(qwen2_path):
     assert drafted.block_manager.num_blocks == 10
 
 
+def test_gpu_free_memory_counts_what_torch_caches_unused(monkeypatch):
+    # No GPU here: the CUDA queries are replaced by the figures a GPU shared with a trainer in the
+    # same process reports (the driver sees 2 GB free; torch's allocator holds 3 GB, 1 GB in use).
+    from tether.engine.runner import free_memory_bytes
+
+    gb = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * gb, 80 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * gb)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * gb)
+    assert free_memory_bytes(torch.device("cuda", 0)) == 4 * gb
+
+
 def test_greedy_and_sampled_requests_share_a_batch(qwen2_path):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
     alone = make_engine(qwen2_path).generate([PROMPTS[0]], greedy)[0]

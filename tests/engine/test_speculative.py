@@ -125,6 +125,11 @@ def test_draft_model_must_match(paths):
         make_engine(paths["target"], None, paths["draft"])
     with pytest.raises(ConfigError, match="vocab_size 10 differs"):
         make_engine(paths["target"], "draft", paths["tiny_draft"])
+    # A draft on another device than the target (a CPU draft for a CUDA target) is refused up front,
+    # not a device mismatch inside the first sampled step.
+    config = EngineConfig(num_kv_blocks=128, block_size=4, speculative="draft")
+    with pytest.raises(ConfigError, match="draft model is on meta but the target model on cpu"):
+        LLMEngine(load_model(paths["target"]), config=config, draft_model=load_model(paths["draft"]).to("meta"))
 
 
 # ---------------------------------------------------------------------------- the acceptance test

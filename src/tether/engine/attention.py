@@ -9,10 +9,12 @@ two padded batches, each one SDPA call per layer:
   as G queries, so grouped-query attention needs no expanded K/V -- over keys ``[S, Hkv, L, D]``
   with a length mask;
 * prefill chunks (several new tokens): queries padded to ``[S, Hq, Tq, D]``, causal over cached
-  plus new keys. Under batch invariance (``is_query_at_a_time``) instead each real query attends
-  alone through the compiled kernel over its sequence's keys up to its own position: the computation,
-  in the same order, that the token would get as a decode row, so its KV and output do not depend on
-  how the scheduler cut the prompt into chunks or which other sequences shared the step.
+  plus new keys. Where the compiled kernel serves (``is_query_at_a_time``: fp32 on the CPU) instead
+  each real query attends alone through it over its sequence's keys up to its own position: the
+  computation, in the same order, that the token would get as a decode row, so its KV and output do
+  not depend on how the scheduler cut the prompt into chunks or which other sequences shared the step
+  (batch invariance needs this; without it the kernel is still as fast as SDPA on prompts of 32-128
+  tokens and faster on longer ones, 0.92x the time at 500, ~0.8x at 1,500-3,000).
 
 All indices and masks are built once per step (``build_step_metadata``) and shared by all layers,
 so the per-layer work has no Python loop over sequences. The storage (the pool, and the contiguous
@@ -55,7 +57,7 @@ class AttentionGroup:
     window: int | None = None
     # Decode rows served by ``DecodeKV`` (row i in its slot i): each row's new-token position [S].
     decode_kv_positions: torch.Tensor | None = None
-    # Prefill groups attended a query at a time (batch invariance), instead of the masks: each real
+    # Prefill groups attended a query at a time by the compiled kernel, instead of the masks: each real
     # query's row in the group [M] and its number of keys (its position + 1) [M], in ``out_index`` order.
     query_rows: torch.Tensor | None = None
     query_lens: torch.Tensor | None = None
@@ -99,7 +101,7 @@ def build_step_metadata(
     ``decode_kv_rows``: the decode rows in ``DecodeKV`` slot order (``DecodeKV.assign``); they form
     one group read from those contiguous copies instead of gathered from the pool. ``pad_block``:
     the block that pads shorter block tables (``KVCache.pad_block``). ``is_query_at_a_time``: prefill
-    groups carry query rows and lengths for the compiled kernel instead of masks (batch invariance).
+    groups carry query rows and lengths for the compiled kernel instead of masks.
     """
     offsets, slots = [], []
     offset = 0
@@ -207,13 +209,14 @@ def _build_group(
         group.query_rows = torch.arange(len(spans), device=device)[:, None].expand(-1, q_len)[is_real]
         group.query_lens = (q_pos + 1)[is_real]
         return group
-    k_pos = torch.arange(num_blocks * block_size, device=device)  # [Lk]
-    distance = q_pos[:, :, None] - k_pos[None, None, :]  # [S, Tq, Lk]
+    k_pos = torch.arange(num_blocks * block_size, device=device)[None, None, :]  # [1, 1, Lk]
+    q_pos = q_pos[:, :, None]  # [S, Tq, 1]
     context_len = (start + num_new)[:, None, None]  # [S, 1, 1]
-    # Every row keeps key 0, so padded queries never see an all -inf row (NaN).
-    is_visible = (distance >= 0) & (k_pos[None, None, :] < context_len)  # [S, Tq, Lk]
+    # Comparisons broadcast straight to bool [S, Tq, Lk] (no int64 distances: 512 MB for a 2,048-token
+    # chunk over 32k keys). Every row keeps key 0, so padded queries never see an all -inf row (NaN).
+    is_visible = (k_pos <= q_pos) & (k_pos < context_len)  # [S, Tq, Lk]
     group.mask = _additive(is_visible, dtype)
-    group.window_mask = _additive(is_visible & (distance < window), dtype) if window is not None else None
+    group.window_mask = _additive(is_visible & (k_pos > q_pos - window), dtype) if window is not None else None
     return group
 
 

@@ -53,10 +53,9 @@ class EngineConfig:
     # CPU path for fp32 models with the compiled kernel: every linear multiplies through oneDNN's
     # reordered weights (whose rows do not depend on the row count; checked on this CPU when the
     # engine starts), SiLU is computed alike at every offset, and prefill queries attend through the
-    # decode kernel, each with the bits it gets alone (prompts of 500-3000 tokens prefill at 0.8-1.02x
-    # the time SDPA takes: bench/long_prompt_prefill.py). "auto": on where that path is available,
-    # else off; True: an error where it is not; False: off (MKL's few-row kernels, F.silu and SDPA
-    # round a row by the batch's shape, ~1e-6).
+    # decode kernel, each with the bits it gets alone (as the kernel's prefill does whenever it serves,
+    # invariant or not). "auto": on where that path is available, else off; True: an error where it
+    # is not; False: off (MKL's few-row kernels and F.silu round a row by the batch's shape, ~1e-6).
     batch_invariant: bool | str = "auto"
     # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged, and
     # with prompt lookup a seeded request's samples too):

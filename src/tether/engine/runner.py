@@ -78,8 +78,11 @@ class StepInput:
 
 
 def free_memory_bytes(device: torch.device) -> int:
+    """Memory the KV pool may take on ``device``: on CUDA the driver's free memory plus what torch's
+    caching allocator holds unused (a trainer in this process leaves that reserved, not free)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached_unused
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -134,11 +137,13 @@ class ModelRunner:
         decode_kv_rows = self.decode_kv.assign(step.spans, self.cache, self.block_size)
         meta = build_step_metadata(
             step.spans, self.block_size, self.sliding_window, self.dtype, self.device, self.cache.pad_block,
-            decode_kv_rows, is_query_at_a_time=self.is_batch_invariant,
+            decode_kv_rows, is_query_at_a_time=self.decode_kernel is not None,
         )
         attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv, self.decode_kernel)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
+        # Before the forward: on a GPU a host-to-device copy waits for the work queued before it.
+        logits_index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
         with self.packed.serving(), _silu_swapped(self._mlps):
             try:
                 hidden = self.model(input_ids, positions, attn)  # [1, T, H]
@@ -150,8 +155,7 @@ class ModelRunner:
             self._finite_checks.append(torch.isfinite(hidden).all())
             if not step.logits_index:
                 return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
-            index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
-            return self.model.compute_logits(hidden[0, index]).float()  # [N, V]
+            return self.model.compute_logits(hidden[0, logits_index]).float()  # [N, V]
 
     def _is_invariant_here(self, batch_invariant: bool | str) -> bool:
         """Whether the invariant path serves this model here: the compiled kernel (fp32 on the CPU),

@@ -167,8 +167,10 @@ def _sample_plain(logits: torch.Tensor, temperature: float, uniforms: torch.Tens
     weights = scaled if is_owned else torch.empty_like(scaled)  # [N, V] unnormalised probabilities
     num_rows = scaled.shape[0]
     chunk_sums = scaled.new_empty(num_rows, _num_chunks(scaled.shape[1]))  # [N, C]
-    for first in range(0, num_rows, _SAMPLE_ROW_BLOCK):
-        rows = slice(first, first + _SAMPLE_ROW_BLOCK)
+    # A GPU takes all rows at once: there a block is ~5 kernel launches, and caches are no matter.
+    row_block = _SAMPLE_ROW_BLOCK if scaled.device.type == "cpu" else max(num_rows, 1)
+    for first in range(0, num_rows, row_block):
+        rows = slice(first, first + row_block)
         block = scaled[rows]
         if temperature != 1.0:  # x / 1.0 == x: skip the pass, as process_logits does
             block = torch.div(block, temperature, out=weights[rows])

@@ -391,6 +391,12 @@ def build_proposer(
             f"draft model vocab_size {draft_model.config.vocab_size} differs from the target's "
             f"{model.config.vocab_size}; speculative decoding needs the same tokenizer"
         )
+    target_device, draft_device = _device_of(model), _device_of(draft_model)
+    if draft_device != target_device:
+        raise ConfigError(
+            f"draft model is on {draft_device} but the target model on {target_device}; speculative decoding "
+            "needs both on one device (move the draft with .to())"
+        )
     if draft_model.config.max_position_embeddings < max_model_len:
         raise ConfigError(
             f"draft model max_position_embeddings {draft_model.config.max_position_embeddings} is below "
@@ -401,6 +407,10 @@ def build_proposer(
         is_lm_head_packed=config.cpu_pack_lm_head, pack_layer_linears=config.cpu_pack_linears,
         native_attention=config.cpu_native_attention, batch_invariant=config.batch_invariant,
     )
+
+
+def _device_of(model: DecoderModel) -> torch.device:
+    return next(iter(model.parameters())).device
 
 
 def _repeat_params(verifiers: list[Sequence], drafts: list[Proposal]) -> list[SamplingParams]:
