@@ -1,0 +1,107 @@
+"""The engine keeps every tensor on its model's device: on CUDA nothing may mix with CPU tensors.
+
+CI has no GPU, so the model sits on a CUDA device played by CPU tensors (``helpers.fake_cuda``): the
+engine sees ``cuda:0`` and takes its GPU paths (no compiled kernel, no oneDNN copies, free memory
+from ``torch.cuda``), and every op that real CUDA would refuse for its devices is recorded with
+where in tether it happened. Each case runs the engine through one feature on that device."""
+
+import pytest
+import torch
+
+from helpers.fake_cuda import FakeCuda, on_device
+from helpers.hf_tiny import make_hf_checkpoint
+from tether.engine import EngineConfig, LLMEngine, SamplingParams
+from tether.models import load_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [20, 21, 22], list(range(30, 50)), [44]]
+MIXED = [
+    SamplingParams(temperature=0.9, top_k=30, top_p=0.95, max_new_tokens=12, seed=1, n=2),
+    SamplingParams(temperature=0.0, max_new_tokens=12),
+    SamplingParams(temperature=1.0, max_new_tokens=12, seed=3, n=3),  # the plain sampler's path
+    SamplingParams(temperature=0.7, min_p=0.05, max_new_tokens=12, seed=4),
+]
+BASE = dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=8, max_model_len=128, num_kv_blocks=200)
+CASES = {
+    "fp32": ("qwen2", {}, torch.float32),
+    "bf16": ("qwen2", {}, torch.bfloat16),
+    "memory fraction": ("qwen2", {"num_kv_blocks": None, "kv_cache_memory_fraction": 0.3}, torch.float32),
+    # Decode copies at the pool's size cap: some decode rows read their KV from the pool.
+    "pool reads": ("qwen2", {"num_kv_blocks": 24}, torch.float32),
+    "recompute on update": ("qwen2", {"recompute_kv_on_update": True}, torch.float32),
+    "sliding window": ("mistral", {}, torch.float32),
+    "ngram": ("qwen2", {"speculative": "ngram", "num_speculative_tokens": 3}, torch.float32),
+    "draft": ("qwen2", {"speculative": "draft", "num_speculative_tokens": 3}, torch.float32),
+}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fake_cuda")
+    return {
+        "qwen2": make_hf_checkpoint(root / "qwen2", "qwen2", seed=3, vocab_size=300),
+        "mistral": make_hf_checkpoint(root / "mistral", "mistral", seed=5, vocab_size=300, sliding_window=6),
+        "draft": make_hf_checkpoint(root / "draft", "qwen2", seed=4, vocab_size=300, num_layers=1),
+    }
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_engine_keeps_its_tensors_on_the_model_device(paths, case):
+    family, overrides, dtype = CASES[case]
+    fake = FakeCuda()
+    model = fake.put(load_model(paths[family]).to(dtype).eval())
+    draft = fake.put(load_model(paths["draft"]).to(dtype).eval()) if overrides.get("speculative") == "draft" else None
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    with fake:
+        engine = LLMEngine(model, config=EngineConfig(**{**BASE, **overrides}), draft_model=draft)
+        assert engine.runner.device.type == "cuda" and engine.runner.decode_kernel is None
+        assert len(engine.runner.packed) == 0 and not engine.is_batch_invariant
+        assert on_device(engine.runner.cache.k)
+        first = engine.generate(PROMPTS, MIXED)
+        # The asynchronous loop's use: requests in flight across weight updates, from host tensors
+        # (the trainer's shared buffers) and from device tensors.
+        for prompt, params in zip(PROMPTS, MIXED):
+            engine.add_request(prompt, params)
+        for _ in range(3):
+            engine.step()
+        host_state = {name: t.clone() for name, t in state.items()}
+        for t in host_state.values():
+            t._fake_cuda = False
+        engine.update_weights(host_state, 1)
+        for _ in range(3):
+            engine.step()
+        engine.update_weights(state, 2)
+        while engine.has_unfinished():
+            engine.step()
+        with torch.no_grad():  # a change outside update_weights (an optimizer step on the model)
+            next(iter(model.parameters())).mul_(1.0)
+        engine.generate(PROMPTS[:2], MIXED[:2])
+        # Non-finite KV: the pool is scrubbed and the requests fail alone.
+        broken = dict(state)
+        name = next(n for n in broken if n.endswith("layers.0.self_attn.k_proj.weight"))
+        broken[name] = torch.full_like(state[name], float("inf"))
+        assert {c.finish_reason for c in engine.generate(PROMPTS[:2], MIXED[:2])} <= {"length", "stop"}
+        engine.update_weights(broken, 3)
+        assert {c.finish_reason for c in engine.generate(PROMPTS[:2], MIXED[:2])} == {"error"}
+        engine.update_weights(state, 4)
+        last = engine.generate(PROMPTS, MIXED)
+    assert fake.errors == {}, "\n".join(fake.errors)
+    assert [c.finish_reason for c in first] == [c.finish_reason for c in last] != []
+    greedy = [c.token_ids for c in first if c.prompt_index == 1]
+    assert greedy == [c.token_ids for c in last if c.prompt_index == 1]  # the same weights again
+
+
+def test_the_tracer_sees_a_cpu_tensor_meet_a_device_one():
+    # The check itself: the mistakes the engine test looks for are recorded, not missed.
+    fake, is_available = FakeCuda(), torch.cuda.is_available
+    with fake:
+        on_gpu = torch.ones(4, device="cuda")
+        assert on_gpu.device.type == "cuda" and on_device(on_gpu + 1)
+        on_gpu + torch.ones(4)  # noqa: B018
+        on_gpu[torch.tensor([0, 1])] = torch.zeros(2)  # CPU values into a device tensor
+        torch.ones(4)[torch.tensor([1], device="cuda")]  # noqa: B018
+        on_gpu[:2] * on_gpu.cpu()[:2]  # noqa: B018
+    problems = list(fake.errors.values())
+    assert len(problems) == 4, problems
+    assert "mixed with CPU tensors" in problems[0] and "values on another device" in problems[1]
+    assert "CPU tensor indexed by CUDA indices" in problems[2] and "aten.mul: CUDA tensors mixed" in problems[3]
+    assert torch.cuda.is_available is is_available  # torch.cuda is itself again

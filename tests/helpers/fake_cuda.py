@@ -1,0 +1,168 @@
+"""A CUDA device played by CPU tensors, so CPU-only CI can check that the engine keeps its tensors on
+the model's device.
+
+Inside ``FakeCuda()``, a tensor *on the device* (a parameter or buffer of a module passed to
+``put``, a tensor made with ``device="cuda"`` or moved there with ``.to``/``.cuda``, or the result
+of an op on such a tensor) really lives on the CPU but reports ``device == cuda:0``, so the engine
+takes its GPU paths (no compiled kernel, no oneDNN copies, free memory from ``torch.cuda``). Every
+op that real CUDA would refuse is recorded in ``errors`` with where in tether it happened:
+
+* an op mixing device tensors with CPU tensors of one element or more (0-dim CPU tensors are
+  scalars, which CUDA ops accept), except copies between devices and a device tensor indexed by
+  CPU indices (allowed on CUDA);
+* a CPU tensor indexed by device indices, or an ``index_put_`` whose values sit on the other device;
+* a ``torch.ops.mkldnn`` op, ``.numpy()`` or ``__array__`` on a device tensor.
+
+What it cannot see: CUDA's own kernel limits, asynchronous errors and memory use.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+_TENSOR_PROPERTIES = {
+    torch._C.TensorBase.__dict__[name]: name for name in ("device", "is_cuda", "is_cpu")
+}  # their getters reach __torch_function__ as the descriptor's __get__
+_CROSS_DEVICE_OPS = {"copy_", "_to_copy", "lift_fresh", "lift_fresh_copy", "_copy_from", "detach", "alias",
+                     "set_", "_local_scalar_dense", "clone", "_has_compatible_shallow_copy_type"}
+_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+
+def on_device(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, "_fake_cuda", False)
+
+
+def _mark(t: object, is_on_device: bool) -> None:
+    if isinstance(t, torch.Tensor):
+        t._fake_cuda = is_on_device
+
+
+def _is_cuda(device: object) -> bool:
+    return isinstance(device, int) or torch.device(device).type == "cuda"
+
+
+def _where() -> str:
+    frames = [f for f in traceback.extract_stack() if f"{os.sep}tether{os.sep}" in f.filename]
+    return " <- ".join(f"{f.filename.rsplit('tether' + os.sep, 1)[-1]}:{f.lineno}" for f in reversed(frames[-3:]))
+
+
+class _FunctionMode(TorchFunctionMode):
+    """Answers device queries and turns ``device=`` / ``.to(device)`` into CPU work marked as on the device."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        prop = _TENSOR_PROPERTIES.get(getattr(func, "__self__", None))
+        if prop is not None:
+            is_on = on_device(args[0])
+            return {"device": CUDA if is_on else CPU, "is_cuda": is_on, "is_cpu": not is_on}[prop]
+        name = getattr(func, "__name__", "")
+        if name in ("numpy", "__array__") and args and on_device(args[0]):
+            self.fake.record(f"{name}() on a CUDA tensor")
+        if name == "cpu" and args and on_device(args[0]):
+            return self._marked(func(*args, **kwargs), False)
+        if name == "cuda" and args and isinstance(args[0], torch.Tensor):
+            return self._marked(args[0].clone(), True)
+        if name == "to" and args and isinstance(args[0], torch.Tensor):
+            device, rest = kwargs.get("device"), list(args[1:])
+            for i, arg in enumerate(rest):
+                if isinstance(arg, (torch.device, str)) or (i == 0 and type(arg) is int):
+                    device, rest[i] = arg, CPU
+            if device is None:
+                return func(*args, **kwargs)
+            if "device" in kwargs:
+                kwargs["device"] = CPU
+            out = func(args[0], *rest, **kwargs)
+            if out is args[0] and on_device(out) != _is_cuda(device):
+                out = out.clone()
+            return self._marked(out, _is_cuda(device))
+        if kwargs.get("device") is not None:
+            is_cuda = _is_cuda(kwargs["device"])
+            kwargs["device"] = CPU
+            return self._marked(func(*args, **kwargs), is_cuda)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _marked(out, is_on_device: bool):
+        pytree.tree_map(lambda t: _mark(t, is_on_device), out)
+        return out
+
+
+class _DispatchMode(TorchDispatchMode):
+    """Checks every aten op's devices and marks its outputs as on the device when an input is."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = func.overloadpacket.__name__
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        is_on = any(on_device(t) for t in tensors)
+        if is_on and func.namespace == "mkldnn":
+            self.fake.record(f"torch.ops.mkldnn.{op} on a CUDA tensor")
+        elif is_on and op in _INDEX_OPS:
+            target, indices = args[0], [i for i in args[1] if i is not None]
+            if not on_device(target) and any(on_device(i) for i in indices):
+                self.fake.record(f"aten.{op}: a CPU tensor indexed by CUDA indices")
+            values = args[2] if len(args) > 2 and isinstance(args[2], torch.Tensor) else None
+            if values is not None and values.dim() > 0 and on_device(values) != on_device(target):
+                self.fake.record(f"aten.{op}: values on another device than the tensor they go into")
+        elif is_on and op not in _CROSS_DEVICE_OPS:
+            on_cpu = [tuple(t.shape) for t in tensors if not on_device(t) and t.dim() > 0]
+            if on_cpu:
+                self.fake.record(f"aten.{op}: CUDA tensors mixed with CPU tensors of shapes {on_cpu}")
+        out = func(*args, **kwargs)
+        if op == "copy_":
+            return out  # the destination keeps its device
+        is_out_on = is_on and not (op == "_to_copy" and kwargs.get("device") is not None)
+        pytree.tree_map(lambda t: _mark(t, is_out_on) if not any(t is a for a in tensors) else None, out)
+        return out
+
+
+class FakeCuda:
+    """Context manager: the fake device is live inside; ``errors`` maps each problem to where it was."""
+
+    def __init__(self, free_bytes: int = 8 << 30) -> None:
+        self.errors: dict[str, str] = {}
+        self._free_bytes = free_bytes
+        self._modes = (_FunctionMode(self), _DispatchMode(self))
+        self._saved: dict[str, object] = {}
+
+    def put(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Marks ``module``'s parameters and buffers as on the device (in place)."""
+        for t in [*module.parameters(), *module.buffers()]:
+            _mark(t, True)
+        return module
+
+    def record(self, problem: str) -> None:
+        self.errors.setdefault(f"{problem} at {_where()}", problem)
+
+    def __enter__(self) -> FakeCuda:
+        replacements = {"is_available": lambda: True,
+                        "mem_get_info": lambda device=None: (self._free_bytes, 2 * self._free_bytes),
+                        "memory_reserved": lambda device=None: 0, "memory_allocated": lambda device=None: 0}
+        for name, fn in replacements.items():
+            self._saved[name] = getattr(torch.cuda, name)
+            setattr(torch.cuda, name, fn)
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        for name, fn in self._saved.items():
+            setattr(torch.cuda, name, fn)
