@@ -174,6 +174,9 @@ def test_stop_token_ids_from_a_line_and_the_command_line(model_dir, tmp_path):
     (["--output", "{tmp}"], "is a directory"),  # checked before generating, not after
     (["--n", "0"], "command line: "),
     (["--stop", ""], "--stop: a stop string must not be empty"),
+    (["--device", "tpu"], "--device 'tpu': not a device (auto, cpu, cuda or cuda:N)"),
+    pytest.param(["--device", "cuda"], "--device 'cuda': torch sees no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
 ])
 def test_bad_command_line_is_one_line_error(model_dir, tmp_path, extra, needle):
     prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ok"}])
@@ -199,3 +202,47 @@ def test_output_to_dev_stdout_and_through_a_symlink(model_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     assert link.is_symlink() and json.loads(target.read_text().splitlines()[0])["prompt_index"] == 0
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")) == []
+
+
+def test_device_cuda_loads_the_model_there(model_dir, tmp_path, monkeypatch):
+    """`--device cuda` loads the model onto the GPU and the engine runs there. CI has none: the GPU is
+    played by CPU tensors (``helpers.fake_cuda``), which record any op real CUDA would refuse."""
+    from helpers.fake_cuda import FakeCuda
+    from tether import generate
+    from tether.cli import build_parser
+
+    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "12+34="}, {"prompt": "hello", "temperature": 0.8}])
+    argv = ["generate", "--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "8",
+            "--temperature", "0"]
+    on_cpu = generate.run_generate(build_parser().parse_args([*argv, "--output", str(tmp_path / "cpu.jsonl"),
+                                                              "--device", "cpu"]))
+    fake, load_model, devices = FakeCuda(), generate.load_model, []
+
+    def load_onto(path, dtype, device):
+        devices.append(device)
+        model = load_model(path, dtype=dtype)  # the CPU's tensors, marked as on the device below
+        return fake.put(model) if device.type == "cuda" else model
+
+    monkeypatch.setattr(generate, "load_model", load_onto)
+    with fake:
+        on_gpu = generate.run_generate(build_parser().parse_args([*argv, "--output", str(tmp_path / "gpu.jsonl")]))
+    assert devices == [torch.device("cuda", 0)]  # --device auto picks the GPU torch sees
+    assert fake.errors == {}, "\n".join(fake.errors)
+    cpu_lines, gpu_lines = ([json.loads(x) for x in p.read_text().splitlines()] for p in (on_cpu, on_gpu))
+    assert cpu_lines[0]["token_ids"] == gpu_lines[0]["token_ids"]  # greedy: the same tokens
+    assert gpu_lines[0]["logprobs"] == pytest.approx(cpu_lines[0]["logprobs"], abs=1e-4)
+    assert gpu_lines[1]["finish_reason"] in ("length", "stop")
+
+
+def test_device_names():
+    from helpers.fake_cuda import FakeCuda
+    from tether.builders import resolve_device
+    from tether.errors import ConfigError
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with FakeCuda():  # one GPU, played by the CPU
+        assert resolve_device("auto") == resolve_device("cuda") == resolve_device("cuda:0") == torch.device("cuda", 0)
+        with pytest.raises(ConfigError, match=r"^--device 'cuda:1': torch sees 1 CUDA device\(s\), cuda:0 to cuda:0$"):
+            resolve_device("cuda:1", "--device")
+    with pytest.raises(ConfigError, match="'mps': not a device"):
+        resolve_device("mps")

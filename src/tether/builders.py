@@ -31,6 +31,28 @@ from tether.rewards import RewardComputer, WeightedReward, resolve_reward
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(name: str, where: str = "device") -> torch.device:
+    """``auto`` (the first CUDA device where torch sees one, else the CPU), ``cpu``, ``cuda`` or
+    ``cuda:N``; one-line error for anything else or a GPU that is not there."""
+    if name == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{where} {name!r}: not a device (auto, cpu, cuda or cuda:N)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"{where} {name!r}: torch sees no CUDA device here (use cpu or auto)")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"{where} {name!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+        if device.index is None:
+            device = torch.device("cuda", 0)
+    return device
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -44,6 +44,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-model", help="Speculative decoding with this draft model directory.")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto (the first GPU torch sees, else the CPU), cpu, "
+                   "cuda or cuda:N.")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

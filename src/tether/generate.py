@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tether.builders import DTYPES, eos_token_ids
+from tether.builders import DTYPES, eos_token_ids, resolve_device
 from tether.data.loading import load_prompts
 from tether.data.records import PromptRecord
 from tether.engine.config import EngineConfig
@@ -104,9 +104,9 @@ def _line(record: PromptRecord, path: str) -> str:
 
 
 def build_engine(args: argparse.Namespace, tokenizer: Any) -> LLMEngine:
-    dtype = DTYPES[args.dtype]
-    model = load_model(args.model, dtype=dtype)
-    draft = load_model(args.draft_model, dtype=dtype) if args.draft_model else None
+    dtype, device = DTYPES[args.dtype], resolve_device(args.device, "--device")
+    model = load_model(args.model, dtype=dtype, device=device)
+    draft = load_model(args.draft_model, dtype=dtype, device=device) if args.draft_model else None
     speculative = "draft" if draft is not None else args.speculative
     config = EngineConfig(stop_token_ids=eos_token_ids(tokenizer), seed=args.seed, speculative=speculative,
                           num_speculative_tokens=args.num_speculative_tokens)
@@ -126,6 +126,7 @@ def run_generate(args: argparse.Namespace) -> Path:
         SamplingParams(**base)
     except ValueError as exc:
         raise TetherError(f"command line: {exc}") from None
+    resolve_device(args.device, "--device")  # a bad device fails before anything is read or written
     params = [request_params(r, base, args.prompts) for r in records]
     out = Path(args.output)
     target, is_regular = _output_target(out)

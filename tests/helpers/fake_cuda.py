@@ -151,7 +151,7 @@ class FakeCuda:
         self.errors.setdefault(f"{problem} at {_where()}", problem)
 
     def __enter__(self) -> FakeCuda:
-        replacements = {"is_available": lambda: True,
+        replacements = {"is_available": lambda: True, "device_count": lambda: 1,
                         "mem_get_info": lambda device=None: (self._free_bytes, 2 * self._free_bytes),
                         "memory_reserved": lambda device=None: 0, "memory_allocated": lambda device=None: 0}
         for name, fn in replacements.items():
