@@ -17,6 +17,9 @@ def model_dir(tmp_path_factory):
 
 
 def _run(args, cwd):
+    # On the CPU unless a test says otherwise: the bit-exact tests hold there (batch invariance), and a
+    # developer's GPU would be --device auto's choice.
+    args = [*args, "--device", "cpu"] if "--device" not in args else args
     return subprocess.run([sys.executable, "-m", "tether.cli", "generate", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 

@@ -114,6 +114,7 @@ def build_engine(args: argparse.Namespace, tokenizer: Any) -> LLMEngine:
 
 
 def run_generate(args: argparse.Namespace) -> Path:
+    resolve_device(args.device, "--device")  # a bad device fails before anything is read or written
     read_model_config(args.model)  # a bad config.json is named as such, not as a tokenizer failure
     tokenizer = load_tokenizer(args.model)
     records = load_prompts(args.prompts)
@@ -126,7 +127,6 @@ def run_generate(args: argparse.Namespace) -> Path:
         SamplingParams(**base)
     except ValueError as exc:
         raise TetherError(f"command line: {exc}") from None
-    resolve_device(args.device, "--device")  # a bad device fails before anything is read or written
     params = [request_params(r, base, args.prompts) for r in records]
     out = Path(args.output)
     target, is_regular = _output_target(out)

@@ -100,8 +100,13 @@ def test_the_tracer_sees_a_cpu_tensor_meet_a_device_one():
         on_gpu[torch.tensor([0, 1])] = torch.zeros(2)  # CPU values into a device tensor
         torch.ones(4)[torch.tensor([1], device="cuda")]  # noqa: B018
         on_gpu[:2] * on_gpu.cpu()[:2]  # noqa: B018
+        on_gpu * torch.tensor(2.0)  # noqa: B018  (a 0-dim CPU tensor is a scalar to a pointwise op: fine)
+        torch.stack([on_gpu.sum(), torch.tensor(1.0)])  # but not to others
+        torch.rand(3, device="cuda", generator=torch.Generator().manual_seed(0))
     problems = list(fake.errors.values())
-    assert len(problems) == 4, problems
+    assert len(problems) == 6, problems
     assert "mixed with CPU tensors" in problems[0] and "values on another device" in problems[1]
     assert "CPU tensor indexed by CUDA indices" in problems[2] and "aten.mul: CUDA tensors mixed" in problems[3]
+    assert "aten.stack: CUDA tensors mixed with CPU tensors of shapes [()]" in problems[4]
+    assert "a CUDA tensor drawn from a CPU generator" in problems[5]
     assert torch.cuda.is_available is is_available  # torch.cuda is itself again

@@ -432,14 +432,18 @@ def test_pool_sized_from_a_byte_budget(qwen2_path):
 
 
 def test_gpu_free_memory_counts_what_torch_caches_unused(monkeypatch):
-    # No GPU here: the CUDA queries are replaced by the figures a GPU shared with a trainer in the
-    # same process reports (the driver sees 2 GB free; torch's allocator holds 3 GB, 1 GB in use).
+    # No GPU here: a GPU shared with a trainer in the same process is played by its figures. The
+    # driver sees 2 GB free while torch's allocator holds 2 GB it no longer uses; empty_cache hands
+    # those back.
     from tether.engine.runner import free_memory_bytes
 
-    gb = 1 << 30
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * gb, 80 * gb))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * gb)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * gb)
+    gb, cached = 1 << 30, [2 << 30]
+
+    def empty_cache():
+        cached[0] = 0
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * gb - cached[0], 80 * gb))
     assert free_memory_bytes(torch.device("cuda", 0)) == 4 * gb
 
 

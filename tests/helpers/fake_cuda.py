@@ -7,13 +7,15 @@ of an op on such a tensor) really lives on the CPU but reports ``device == cuda:
 takes its GPU paths (no compiled kernel, no oneDNN copies, free memory from ``torch.cuda``). Every
 op that real CUDA would refuse is recorded in ``errors`` with where in tether it happened:
 
-* an op mixing device tensors with CPU tensors of one element or more (0-dim CPU tensors are
-  scalars, which CUDA ops accept), except copies between devices and a device tensor indexed by
-  CPU indices (allowed on CUDA);
+* an op mixing device tensors with CPU tensors (0-dim CPU tensors pass as scalars in pointwise ops
+  and fills only, as on CUDA), except copies between devices and a device tensor indexed by CPU indices
+  (allowed on CUDA);
 * a CPU tensor indexed by device indices, or an ``index_put_`` whose values sit on the other device;
-* a ``torch.ops.mkldnn`` op, ``.numpy()`` or ``__array__`` on a device tensor.
+* a ``torch.ops.mkldnn`` op, ``.numpy()`` or ``__array__`` on a device tensor;
+* a device tensor made with a CPU ``generator``.
 
-What it cannot see: CUDA's own kernel limits, asynchronous errors and memory use.
+What it cannot see: CUDA's own kernel limits, asynchronous errors and memory use, and calls that
+bypass torch's dispatch (a compiled extension's own functions: the engine gives them CPU tensors only).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ _TENSOR_PROPERTIES = {
 _CROSS_DEVICE_OPS = {"copy_", "_to_copy", "lift_fresh", "lift_fresh_copy", "_copy_from", "detach", "alias",
                      "set_", "_local_scalar_dense", "clone", "_has_compatible_shallow_copy_type"}
 _INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
+# Ops that take a 0-dim CPU tensor as a scalar on CUDA besides the pointwise-tagged ones (TensorIterator's
+# CPU-scalar rule); any other op refuses it.
+_SCALAR_OPS = {"fill", "fill_", "masked_fill", "masked_fill_", "index_fill", "index_fill_", "where", "clamp",
+               "clamp_", "lerp", "lerp_"}
 
 
 def on_device(t: object) -> bool:
@@ -71,7 +77,7 @@ class _FunctionMode(TorchFunctionMode):
         if name in ("numpy", "__array__") and args and on_device(args[0]):
             self.fake.record(f"{name}() on a CUDA tensor")
         if name == "cpu" and args and on_device(args[0]):
-            return self._marked(func(*args, **kwargs), False)
+            return self._marked(args[0].clone(), False)  # .cpu() of a CPU tensor is the tensor itself
         if name == "cuda" and args and isinstance(args[0], torch.Tensor):
             return self._marked(args[0].clone(), True)
         if name == "to" and args and isinstance(args[0], torch.Tensor):
@@ -89,6 +95,9 @@ class _FunctionMode(TorchFunctionMode):
             return self._marked(out, _is_cuda(device))
         if kwargs.get("device") is not None:
             is_cuda = _is_cuda(kwargs["device"])
+            generator = kwargs.get("generator")
+            if is_cuda and generator is not None and generator.device.type != "cuda":
+                self.fake.record(f"{name}: a CUDA tensor drawn from a CPU generator")
             kwargs["device"] = CPU
             return self._marked(func(*args, **kwargs), is_cuda)
         return func(*args, **kwargs)
@@ -121,7 +130,8 @@ class _DispatchMode(TorchDispatchMode):
             if values is not None and values.dim() > 0 and on_device(values) != on_device(target):
                 self.fake.record(f"aten.{op}: values on another device than the tensor they go into")
         elif is_on and op not in _CROSS_DEVICE_OPS:
-            on_cpu = [tuple(t.shape) for t in tensors if not on_device(t) and t.dim() > 0]
+            is_pointwise = torch.Tag.pointwise in func.tags or op in _SCALAR_OPS
+            on_cpu = [tuple(t.shape) for t in tensors if not on_device(t) and (t.dim() > 0 or not is_pointwise)]
             if on_cpu:
                 self.fake.record(f"aten.{op}: CUDA tensors mixed with CPU tensors of shapes {on_cpu}")
         out = func(*args, **kwargs)
@@ -151,9 +161,8 @@ class FakeCuda:
         self.errors.setdefault(f"{problem} at {_where()}", problem)
 
     def __enter__(self) -> FakeCuda:
-        replacements = {"is_available": lambda: True, "device_count": lambda: 1,
-                        "mem_get_info": lambda device=None: (self._free_bytes, 2 * self._free_bytes),
-                        "memory_reserved": lambda device=None: 0, "memory_allocated": lambda device=None: 0}
+        replacements = {"is_available": lambda: True, "device_count": lambda: 1, "empty_cache": lambda: None,
+                        "mem_get_info": lambda device=None: (self._free_bytes, 2 * self._free_bytes)}
         for name, fn in replacements.items():
             self._saved[name] = getattr(torch.cuda, name)
             setattr(torch.cuda, name, fn)

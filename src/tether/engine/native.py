@@ -5,7 +5,8 @@ contiguous KV, in one pass over its keys and one over its values, instead of two
 that MKL streamed at about a third of the memory bandwidth (``docs/benchmarks.md``, "compiled decode
 attention"). Its sums run in a fixed order that depends on their length only, so a query row's output
 depends on its own inputs alone; with a row-to-sequence index it also serves prefill queries, each
-alone, for the engine's batch invariance (``engine.batch_invariant``). It sits behind the
+alone (what the engine's batch invariance, ``engine.batch_invariant``, needs; the engine prefills
+through it with or without invariance, as fast as SDPA or faster). It sits behind the
 plain-PyTorch path, never instead of it: where it cannot be built (no C++ compiler, no ninja, another
 platform) the engine warns once and attends with PyTorch ops, as with
 ``engine.cpu_native_attention: false``.

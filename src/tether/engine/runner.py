@@ -78,11 +78,12 @@ class StepInput:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Memory the KV pool may take on ``device``: on CUDA the driver's free memory plus what torch's
-    caching allocator holds unused (a trainer in this process leaves that reserved, not free)."""
+    """Memory the KV pool may take on ``device``: on CUDA the driver's free memory once torch's caching
+    allocator has handed back what it holds unused (a trainer in this process leaves memory reserved,
+    not free; segments that still hold a live tensor stay reserved, and the pool cannot use them)."""
     if device.type == "cuda":
-        cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return torch.cuda.mem_get_info(device)[0] + cached_unused
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

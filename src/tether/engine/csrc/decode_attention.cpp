@@ -11,7 +11,7 @@
 // memory bandwidth (128 rows x 2 KV heads x 166 keys x 64 dims: 2.0-2.2 ms a layer against 0.87 ms to
 // merely read K and V; AMD EPYC, 2 threads). Here each (row, KV head) is one task: its G score rows,
 // their softmax and the weighted sum of values in one pass over K and one over V. Consecutive rows
-// that read one sequence (a prefill chunk's queries under batch invariance) go up to kMaxBlock to a
+// that read one sequence (a prefill chunk's queries) go up to kMaxBlock to a
 // task and share those passes: eight keys at a time against every query vector of the block, then
 // chunks of values every row reads while they sit in L1. A 3,000-token prompt's attention ran 1.7x
 // faster that way than a row at a time (1 thread); end to end the engine's prefill then ran at 0.87-1.04x
