@@ -56,6 +56,11 @@ def test_engine_keeps_its_tensors_on_the_model_device(paths, case):
         assert engine.runner.device.type == "cuda" and engine.runner.decode_kernel is None
         assert len(engine.runner.packed) == 0 and not engine.is_batch_invariant
         assert on_device(engine.runner.cache.k)
+        # The decode copies are allocated at their cap from the start, as the pool is.
+        num_layers, _, _, num_kv_heads, head_dim = engine.runner.cache.v.shape
+        decode_kv = engine.runner.decode_kv
+        cap_numel = decode_kv.max_tokens * num_layers * num_kv_heads * head_dim
+        assert on_device(decode_kv._storage["k"]) and decode_kv._storage["v"].numel() == cap_numel
         first = engine.generate(PROMPTS, MIXED)
         # The asynchronous loop's use: requests in flight across weight updates, from host tensors
         # (the trainer's shared buffers) and from device tensors.

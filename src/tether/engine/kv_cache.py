@@ -175,10 +175,13 @@ class DecodeKV:
         if not is_fp32 and self.keys_transposed:
             raise ValueError("DecodeKV: only fp32 keys may be transposed (other dtypes attend through SDPA)")
         self._dims = (num_layers, num_kv_heads, head_dim)
-        # Flat storage that only grows; k and v are views of its start in the current shape.
-        self._storage = {"k": pool.k.new_zeros(0), "v": pool.v.new_zeros(0)}
-        self.k = self._storage["k"].view(self._shape(0, 0, self.keys_transposed))  # [L, R, Hkv, C, D] or [.., D, C]
-        self.v = self._storage["v"].view(self._shape(0, 0, False))  # [L, R, Hkv, C, D]
+        # Flat storage that only grows; k and v are views of its start in the current shape. On a GPU it
+        # is allocated at the cap up front, as the pool is: memory a trainer on the same device cannot
+        # take in between, and no growth that holds the old storage and the new at once.
+        cap_numel = math.prod(self._shape(1, max_tokens, False)) if pool.k.device.type == "cuda" else 0
+        self._storage = {"k": pool.k.new_zeros(cap_numel), "v": pool.v.new_zeros(cap_numel)}
+        self.k = self._storage["k"][:0].view(self._shape(0, 0, self.keys_transposed))  # [L, R, Hkv, C, D] or [.., D, C]
+        self.v = self._storage["v"][:0].view(self._shape(0, 0, False))  # [L, R, Hkv, C, D]
         self.tables: list[list[int] | None] = []  # [R] each slot's block_table object
         self.lengths: list[int] = []  # [R] tokens held (the slot's next write position)
 
