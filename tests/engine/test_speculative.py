@@ -9,18 +9,11 @@ from transformers import AutoModelForCausalLM
 from helpers.hf_tiny import make_hf_checkpoint
 from helpers.reference import assert_same_completions, full_forward_logprobs
 from tether.engine import Completion, EngineConfig, LLMEngine, SamplingParams
+from tether.engine.proposers import NgramProposer, Proposal, ngram_lookup
 from tether.engine.rng import SampleRNG, draw_uniforms
 from tether.engine.sampler import Sampler, _sample_general, inverse_cdf
 from tether.engine.sequence import Sequence
-from tether.engine.speculative import (
-    NgramProposer,
-    Proposal,
-    accept_coupled,
-    accept_drafts,
-    accept_greedy,
-    ngram_lookup,
-    verify,
-)
+from tether.engine.speculative import accept_coupled, accept_drafts, accept_greedy, verify
 from tether.errors import ConfigError
 from tether.models import load_model
 

@@ -12,7 +12,7 @@ context under the new weights. Either way the prefix cache is flushed, so no new
 stale KV.
 
 Speculative decoding (``EngineConfig.speculative``) slots in between schedule and sample: the
-scheduler reserves ``k`` lookahead slots after each decode token, a proposer (``speculative.py``)
+scheduler reserves ``k`` lookahead slots after each decode token, a proposer (``proposers.py``)
 fills them with draft tokens, the forward returns logits at every position of those spans, and
 ``verify`` keeps a prefix plus one token by rejection sampling. Slots of rejected drafts are
 simply overwritten later: ``num_computed_tokens`` only counts the accepted ones. A draft model also
@@ -33,13 +33,14 @@ import torch
 from tether.engine.attention import SeqSpan
 from tether.engine.block_manager import BlockManager
 from tether.engine.config import EngineConfig
+from tether.engine.proposers import Proposal, build_proposer
 from tether.engine.requests import batch_params, prompt_token_ids, request_error, resolve_max_model_len
 from tether.engine.rng import SampleRNG
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput, num_kv_blocks_for
 from tether.engine.sampler import Detokenizer, Sampler, finish_reason
 from tether.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tether.engine.sequence import Sequence, sample_seed
-from tether.engine.speculative import Proposal, build_proposer, verify
+from tether.engine.speculative import verify
 from tether.engine.types import Completion, EngineStats, SamplingParams
 from tether.errors import CheckpointError, RequestError
 
