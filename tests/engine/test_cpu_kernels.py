@@ -309,20 +309,3 @@ def test_engine_with_packed_linears_matches_plain_linears(tmp_path, tie, dtype):
 def test_a_bad_pack_mode_is_a_config_error():
     with pytest.raises(ConfigError, match="engine.cpu_pack_linears must be one of"):
         EngineConfig(cpu_pack_linears="sometimes")
-
-
-
-def test_silu_invariant_is_silu_alike_at_every_offset():
-    x = torch.randn(1000) * 5
-    with torch.inference_mode():
-        full = cpu_kernels.silu_invariant(x)
-        torch.testing.assert_close(full, F.silu(x), atol=0, rtol=2e-7)  # the same formula, ~1 ulp at most
-        # Each element alone (F.silu's scalar code: ~6 % of them differ from its vector code) and in slices
-        alone = torch.cat([cpu_kernels.silu_invariant(x[i:i + 1].clone()) for i in range(len(x))])
-        assert torch.equal(alone, full)
-        for start, end in [(3, 20), (13, 1000)]:
-            assert torch.equal(cpu_kernels.silu_invariant(x[start:end].clone()), full[start:end])
-    assert cpu_kernels.is_silu_invariant()
-    x.requires_grad_(True)
-    cpu_kernels.silu_invariant(x).sum().backward()  # under autograd: F.silu itself
-    torch.testing.assert_close(x.grad, torch.func.grad(lambda t: F.silu(t).sum())(x.detach()))

@@ -178,10 +178,10 @@ def test_a_kernel_that_cannot_be_built_leaves_the_pytorch_path(tmp_path, monkeyp
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     broken = tmp_path / "decode_attention.cpp"
     broken.write_text("int main() { return undeclared; }\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "SOURCES", (broken,))
     if native.compiler_target():  # a compiler is here: the warning carries its error, not the command
         with pytest.warns(RuntimeWarning, match="native CPU decode attention unavailable.*undeclared"):
-            assert native.decode_attention_kernel.__wrapped__() is None
+            assert native.compiled_kernels.__wrapped__() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the flag off: nothing is built, nothing warned
         engine = LLMEngine(load_model(make_hf_checkpoint(tmp_path / "m", "qwen2", seed=1)),

@@ -202,10 +202,10 @@ class EngineSection(Section):
         "copies: `auto` for every bf16 one where oneDNN has native bf16, and fp32 ones 256 or more wide "
         "on CPUs where MKL runs its generic kernels (non-Intel x86), `always`, or `never` (costs the "
         "layers' size in memory once more when on).")
-    cpu_native_attention: bool = Field(True, description="CPU, fp32: decode attention through a C++ kernel "
-                                       "compiled for this machine on first use (~25 s once, cached; "
-                                       "needs a C++ compiler and ninja, else PyTorch ops serve, with a "
-                                       "warning).")
+    cpu_native_attention: bool = Field(True, description="CPU, fp32: attention, the MLPs' silu(gate) * up "
+                                       "and the sampler's weights through C++ kernels compiled for this "
+                                       "machine on first use (~40 s once, cached; needs a C++ compiler and "
+                                       "ninja, else PyTorch ops serve, with a warning).")
     batch_invariant: bool | Literal["auto"] = Field(
         "auto", description="A token's logits are the same bits however the engine schedules it (alone "
         "or in any batch, in any prefill chunk, from the prefix cache, in a speculative span), so a seeded "

@@ -42,10 +42,11 @@ class EngineConfig:
     # path computes the same products in another order (fp32: ~1e-6 relative; bf16: the same bits
     # but for rare single roundings).
     cpu_pack_linears: str = "auto"
-    # CPU, fp32: decode rows attend through a C++ kernel compiled for this machine on first use
-    # (``tether.engine.native``; ~25 s once, cached): about 2x faster decode attention than the two
-    # batched matmuls it replaces (1.0-1.2 against 2.0-2.2 ms a layer at 128 rows, AMD EPYC). Where
-    # it cannot be built the engine warns and attends with PyTorch.
+    # CPU, fp32: attention, the MLPs' silu(gate) * up and the plain sampler's weights through C++
+    # kernels compiled for this machine on first use (``tether.engine.native``; ~40 s once, cached):
+    # about 2x faster decode attention than the two batched matmuls it replaces (1.0-1.2 against
+    # 2.0-2.2 ms a layer at 128 rows, AMD EPYC), and ~7 % off a decode step for the other two. Where
+    # they cannot be built the engine warns and uses PyTorch ops.
     cpu_native_attention: bool = True
     # Batch invariance: a token's logits are the same bits however it is scheduled (alone or in any
     # batch, prefilled in one chunk or several, from the prefix cache, in a speculative span), so a

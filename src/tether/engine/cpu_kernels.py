@@ -177,32 +177,6 @@ class PackedLinear(nn.Linear):
         return state
 
 
-def silu_invariant(x: torch.Tensor) -> torch.Tensor:
-    """SiLU, ``x / (1 + exp(-x))``, each element computed the same way wherever it sits in ``x``.
-
-    ``F.silu``'s CPU kernel computes the last ``numel % 16`` elements of a tensor (and of each thread's
-    chunk) with its scalar code, which rounds differently from its vector code (30 of 512 elements
-    here), so a token's activations would depend on its place in the step. Here every op is exact
-    (negation, +1, division) or an elementwise ``exp`` that gave the same bits at any offset
-    (``is_silu_invariant`` checks this CPU); in the vector path the same formula as ``F.silu``'s.
-    Not differentiable: under autograd it is ``F.silu``."""
-    if torch.is_grad_enabled():
-        return F.silu(x)
-    denominator = torch.neg(x).exp_().add_(1)
-    return torch.div(x, denominator, out=denominator)
-
-
-@functools.cache
-def is_silu_invariant() -> bool:
-    """Whether ``silu_invariant`` gives an element the same bits at any offset and in any length of
-    tensor on this CPU (checked once per process)."""
-    with torch.inference_mode():
-        x = torch.randn(1031, generator=torch.Generator().manual_seed(0)) * 6
-        full = silu_invariant(x)
-        spans = [(i, i + 1) for i in range(0, 40)] + [(3, 20), (17, 1031), (5, 530), (0, 1000), (999, 1031)]
-        return all(torch.equal(silu_invariant(x[a:b].clone()), full[a:b]) for a, b in spans)
-
-
 def _linear_packed(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """rows ``[M, K]`` times a reordered weight (``_reorder``) -> ``[M, N]`` (no autograd)."""
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")

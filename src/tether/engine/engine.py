@@ -94,7 +94,7 @@ class LLMEngine:
         self._draft_runner: ModelRunner | None = getattr(self.proposer, "runner", None)  # a draft model's
         draft = self._draft_runner  # EngineConfig.batch_invariant holds for the target's forward and any draft's
         self.is_batch_invariant = self.runner.is_batch_invariant and (draft is None or draft.is_batch_invariant)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.runner.sampling_weights)
         self.stats = EngineStats()
         self.policy_version = 0
         self._requests: dict[int, list[Sequence]] = {}  # unfinished requests, all their samples
@@ -263,7 +263,7 @@ class LLMEngine:
         num_rows = [proposals[seq.seq_id].num_tokens + 1 for seq in verifiers]
         seqs, origins, logits = self._with_groups(verifiers, num_rows, logits)
         drafts = [proposals[verifiers[i].seq_id] for i in origins]
-        verdict = verify(logits, seqs, drafts)
+        verdict = verify(logits, seqs, drafts, self.sampler.weights_kernel)
         # The step's one host sync for the verifiers.
         token_ids, token_logprobs = verdict.token_ids.tolist(), verdict.logprobs.tolist()
         done: list[Completion] = []

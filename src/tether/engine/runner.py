@@ -7,8 +7,9 @@ small model the vocabulary projection would otherwise dominate the step.
 Batch invariance (``is_batch_invariant``, ``engine.batch_invariant``): every op of the forward gives
 a token's row the same bits whatever else is in the step. Embedding, norms and RoPE are exact or
 elementwise ops that torch computes alike at any offset; SiLU is not (``F.silu``'s scalar tail rounds
-differently from its vector code), so the MLPs take ``cpu_kernels.silu_invariant`` while this runner
-serves a step; the linears multiply through oneDNN-reordered weights whose rows do not depend on the
+differently from its vector code), so the MLPs take the compiled ``silu_mul`` (``native``; in every
+step where the kernels exist, invariant or not: one pass instead of five) while this runner serves
+a step; the linears multiply through oneDNN-reordered weights whose rows do not depend on the
 row count (checked here at start for 1-37 rows); attention runs a query at a time through the
 compiled kernel, prefill rows too. By induction over positions a token's KV, and so its logits, are a
 function of its context alone.
@@ -25,12 +26,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
-from tether.engine.cpu_kernels import PackedWeights, is_silu_invariant, pack_linears, sample_view, silu_invariant
+from tether.engine.cpu_kernels import PackedWeights, pack_linears, sample_view
 from tether.engine.kv_cache import DecodeKV, KVCache
-from tether.engine.native import are_query_rows_invariant, decode_attention_kernel
+from tether.engine.native import (
+    SamplingWeights,
+    SiluMul,
+    are_query_rows_invariant,
+    compiled_kernels,
+    is_silu_mul_invariant,
+)
 from tether.engine.sequence import Sequence
 from tether.errors import CheckpointError, ConfigError
 from tether.models.attention import AttentionBackend
@@ -111,7 +119,12 @@ class ModelRunner:
         )  # fmt: skip
         # fp32 decode rows on CPU attend through the compiled kernel where it builds (``native``).
         is_native = native_attention and self.device.type == "cpu" and self.dtype == torch.float32
-        self.decode_kernel = decode_attention_kernel() if is_native else None
+        kernels = compiled_kernels() if is_native else None
+        self.decode_kernel = kernels.decode_attention if kernels is not None else None
+        # The MLPs' silu(gate) * up and the sampler's weights by the compiled kernels too: each element
+        # by the same vector code wherever it sits (batch invariance needs that), and faster.
+        self.silu_mul: SiluMul | None = kernels.silu_mul if kernels is not None else None
+        self.sampling_weights: SamplingWeights | None = kernels.sampling_weights if kernels is not None else None
         # Decode rows read contiguous copies of their KV: at most the pool's size again in memory. The
         # kernel reads keys fastest as [C, D] (1.7x over [D, C]); without it DecodeKV picks by the CPU.
         keys_transposed = False if self.decode_kernel is not None else None
@@ -126,8 +139,8 @@ class ModelRunner:
             # native oneDNN bf16: cpu_kernels), or all of them for batch invariance.
             self.packed = pack_linears(model, is_lm_head_packed, pack_layer_linears, is_invariant_path)
         self.is_batch_invariant = batch_invariant is not False and self._is_invariant_here(batch_invariant)
-        # The MLPs' SiLU, computed alike at every offset while this runner serves a step.
-        self._mlps = [m for m in model.modules() if isinstance(m, MLP)] if self.is_batch_invariant else []
+        # The MLPs' silu(gate) * up by the compiled kernel while this runner serves a step.
+        self._mlps = [m for m in model.modules() if isinstance(m, MLP)] if self.silu_mul is not None else []
         self.weights = WeightsWatch(model)  # what the KV was computed with: changes outside load_weights
         self._finite_checks: list[torch.Tensor] = []  # per forward since saw_nonfinite(): all finite?
 
@@ -145,7 +158,7 @@ class ModelRunner:
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
         # Before the forward: on a GPU a host-to-device copy waits for the work queued before it.
         logits_index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
-        with self.packed.serving(), _silu_swapped(self._mlps):
+        with self.packed.serving(), _silu_mul_swapped(self._mlps, self.silu_mul):
             try:
                 hidden = self.model(input_ids, positions, attn)  # [1, T, H]
             except BaseException:
@@ -176,8 +189,8 @@ class ModelRunner:
             reason = f"{len(linears) - len(self.packed)} of the model's linears cannot be served by oneDNN"
         elif not self.packed.are_rows_invariant():
             reason = "oneDNN's linears round a row differently with the batch's size on this CPU"
-        elif not is_silu_invariant():
-            reason = "torch's exp rounds an element differently by its place in a tensor on this CPU"
+        elif self.silu_mul is None or not is_silu_mul_invariant(self.silu_mul):
+            reason = "the compiled SiLU gives an element other bits by its place in a tensor"
         elif not are_query_rows_invariant(self.decode_kernel, cfg.num_attention_heads // cfg.num_key_value_heads,
                                           cfg.head_dim):
             reason = "the compiled attention kernel gives a prefill chunk's queries other bits than alone"
@@ -256,15 +269,23 @@ class ModelRunner:
 
 
 @contextmanager
-def _silu_swapped(mlps: list[MLP]) -> Iterator[None]:
-    """The MLPs compute SiLU by ``silu_invariant`` until the block ends (only this step's forward)."""
+def _silu_mul_swapped(mlps: list[MLP], kernel: SiluMul | None) -> Iterator[None]:
+    """The MLPs compute ``silu(gate) * up`` by the compiled ``kernel`` until the block ends (only this
+    step's forward). A forward that records gradients meanwhile (another thread training the same
+    model; grad mode is per thread) takes ``F.silu``: the kernel has no autograd."""
+
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or kernel is None:
+            return F.silu(gate) * up
+        return kernel(gate, up)
+
     for mlp in mlps:
-        mlp.__dict__["_silu"] = silu_invariant
+        mlp.__dict__["_silu_mul"] = silu_mul
     try:
         yield
     finally:
         for mlp in mlps:
-            mlp.__dict__.pop("_silu", None)
+            mlp.__dict__.pop("_silu_mul", None)
 
 
 class WeightsWatch:

@@ -44,16 +44,20 @@ import torch
 
 from tether.engine.proposers import Proposal
 from tether.engine.rng import ACCEPT_DRAW, DRAFT_DRAW, STOP_DRAW, draw_at, position_uniforms
-from tether.engine.sampler import inverse_cdf, processed_logprobs, sample_with_uniforms
+from tether.engine.sampler import WeightsKernel, inverse_cdf, processed_logprobs, sample_with_uniforms
 from tether.engine.sequence import Sequence
 from tether.engine.types import SamplingParams
 
 
-def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -> Verdict:
+def verify(
+    logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal], weights_kernel: WeightsKernel | None = None
+) -> Verdict:
     """Run the acceptance test for sequences that fed ``[.., x_L, d_1..d_n]`` to the target.
 
     logits ``[sum(n_i + 1), V]``: each sequence's rows in order (its last ``n_i + 1``); ``drafts``
     each non-empty. Rows of a group may share logits rows and a proposal (a tail only).
+    ``weights_kernel``: the engine sampler's (``Sampler.weights_kernel``), so that the coupled test
+    draws with a plain step's rounding.
     """
     k = max(p.num_tokens for p in drafts)
     device = logits.device
@@ -69,7 +73,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal]) -
                            [0] * len(seqs))
         padded_params = [seq.params for seq in seqs for _ in range(k + 1)]
         plain = sample_with_uniforms(_pad_rows(logits, drafts, k).view(len(seqs) * (k + 1), -1), padded_params,
-                                     uniforms.view(-1).to(device), may_overwrite=True)  # a copy: ours
+                                     uniforms.view(-1).to(device), True, weights_kernel)  # a copy: ours
         shape = (len(seqs), k + 1)
         verdict = accept_coupled(draft_ids, num_drafts, torch.tensor(plain.token_ids, device=device).view(shape),
                                  torch.tensor(plain.logprobs, device=device).view(shape))

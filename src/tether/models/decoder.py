@@ -45,10 +45,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # An engine serving a step may swap in its own SiLU (``_silu``: batch invariance, see
-        # ``tether.engine.cpu_kernels.silu_invariant``); any other forward uses ``F.silu``.
-        silu = self.__dict__.get("_silu") or F.silu
-        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+        # An engine serving a step may swap in its own ``silu(gate) * up`` (``_silu_mul``: the compiled
+        # kernel, see ``tether.engine.runner``); any other forward uses ``F.silu``.
+        silu_mul = self.__dict__.get("_silu_mul")
+        if silu_mul is not None:
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SelfAttention(nn.Module):

@@ -34,63 +34,16 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
+using namespace tether_simd;
+
 constexpr int64_t kMaxGroup = 64;  // query heads per KV head
-constexpr int64_t kLanes = 8;  // partial sums of every reduction (one AVX2 vector of floats)
 constexpr int64_t kMaxBlock = 16;  // query rows of one sequence that share a pass over its keys
 constexpr int64_t kMaxBlockScores = int64_t{1} << 22;  // a block's scores (16 MB); past it, fewer rows
 constexpr int64_t kValueChunk = 64;  // keys whose values stay in L1 while every query of a block reads them
-
-// The lanes' total, in a fixed tree.
-inline float lanes_total(const float* lanes) {
-  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-}
-
-// kLanes floats as one vector (GCC/Clang vector extension: AVX2 here, two NEON registers on Arm).
-// a * b + c contracts to a fused multiply-add wherever the target has one, in vector and scalar
-// code alike, so a lane computes exactly what the scalar expression does.
-typedef float v8f __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline v8f load8(const float* p) {
-  v8f x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-inline v8f load_part(const float* p, int64_t m) {  // the first m floats, zeros after
-  v8f x = {};
-  std::memcpy(&x, p, m * sizeof(float));
-  return x;
-}
-
-typedef int32_t v8i __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-// e^x for x <= 0 (a score minus its row's maximum), eight at a time: Cephes' expf polynomial (~1 ulp).
-// Below -87 it returns e^-87 (a weight under 2^-125 next to the maximum's 1); a NaN gives NaN.
-inline v8f exp8_nonpositive(v8f x) {
-  const v8f zero = {};
-  x = x < zero - 87.0f ? zero - 87.0f : x;
-  v8f t = x * 1.44269504088896341f + 0.5f;  // x = n ln2 + r, n = floor(t), |r| <= ln2 / 2
-  t = t == t ? t : zero;  // NaN: a finite n (x carries the NaN)
-  v8f n = __builtin_convertvector(__builtin_convertvector(t, v8i), v8f);  // t toward zero
-  n = n > t ? n - 1.0f : n;  // then down
-  n = n >= zero - 126.0f ? n : zero - 126.0f;
-  v8f r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;  // ln2 in two parts, the first exact in few bits
-  const v8f r2 = r * r;
-  v8f y = zero + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r2 + r + 1.0f;
-  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;  // 2^n
-  v8f scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
 
 #if defined(__clang__) || __GNUC__ >= 12
 #define TETHER_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -453,8 +406,17 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
+// The extension's Python module: this kernel and elementwise.cpp's (built into one library by
+// tether.engine.native).
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+torch::Tensor sampling_weights(torch::Tensor logits, double temperature, int64_t chunk);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "fp32 CPU attention, a query row at a time, over per-row contiguous KV",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("lengths"), pybind11::arg("scale"),
         pybind11::arg("window"), pybind11::arg("kv_rows") = pybind11::none());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up, fp32, every element by the same vector code",
+        pybind11::arg("gate"), pybind11::arg("up"));
+  m.def("sampling_weights", &sampling_weights, "in place exp(x / t - max) per row; returns chunk sums",
+        pybind11::arg("logits"), pybind11::arg("temperature"), pybind11::arg("chunk"));
 }
