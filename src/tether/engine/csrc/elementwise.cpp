@@ -83,7 +83,10 @@ void row_weights(float* __restrict x, int64_t V, bool is_scaled, float t, int64_
     if (j < hi) {
       const int64_t m = hi - j;
       const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-      const v8f w = lane < static_cast<int32_t>(m) ? weight8(load_part(x + j, m) - peak) : zero;
+      const v8i is_real = lane < static_cast<int32_t>(m);
+      // the padded lanes exponentiate -87 (0 minus the peak could be +inf: an overflowing conversion
+      // to int inside the exponential), then count 0
+      const v8f w = is_real ? weight8(is_real ? load_part(x + j, m) - peak : zero - 87.0f) : zero;
       std::memcpy(x + j, &w, m * sizeof(float));
       total += w;
     }
