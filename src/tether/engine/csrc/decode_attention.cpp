@@ -137,24 +137,7 @@ inline float exponentiate(float* __restrict sg, int64_t n) {
   float peak = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : peak)
   for (int64_t t = 0; t < n; ++t) peak = sg[t] > peak ? sg[t] : peak;
-  v8f lanes = {};
-  int64_t t = 0;
-  for (; t + kLanes <= n; t += kLanes) {
-    const v8f e = exp8_nonpositive(load8(sg + t) - peak);
-    std::memcpy(sg + t, &e, sizeof(e));
-    lanes += e;
-  }
-  if (t < n) {
-    const int64_t m = n - t;
-    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    const v8i is_real = lane < static_cast<int32_t>(m);
-    const v8f zero = {};
-    // the padded lanes exponentiate -87 (a score there minus the peak could be anything), then count 0
-    const v8f x = is_real ? load_part(sg + t, m) - peak : zero - 87.0f;
-    const v8f e = is_real ? exp8_nonpositive(x) : zero;
-    std::memcpy(sg + t, &e, m * sizeof(float));
-    lanes += e;
-  }
+  const v8f lanes = exponentiate_in_place(sg, n, peak, [](v8f x) { return exp8_nonpositive(x); });
   float totals[kLanes];
   std::memcpy(totals, &lanes, sizeof(totals));
   return 1.0f / lanes_total(totals);

@@ -72,24 +72,7 @@ void row_weights(float* __restrict x, int64_t V, bool is_scaled, float t, int64_
   float peak = lanes[0];
   for (int64_t l = 1; l < kLanes; ++l) peak = (lanes[l] > peak || lanes[l] != lanes[l]) ? lanes[l] : peak;
   for (int64_t lo = 0, c = 0; lo < V; lo += chunk, ++c) {
-    const int64_t hi = std::min(V, lo + chunk);
-    v8f total = zero;
-    int64_t j = lo;
-    for (; j + kLanes <= hi; j += kLanes) {
-      const v8f w = weight8(load8(x + j) - peak);
-      std::memcpy(x + j, &w, sizeof(w));
-      total += w;
-    }
-    if (j < hi) {
-      const int64_t m = hi - j;
-      const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-      const v8i is_real = lane < static_cast<int32_t>(m);
-      // the padded lanes exponentiate -87 (0 minus the peak could be +inf: an overflowing conversion
-      // to int inside the exponential), then count 0
-      const v8f w = is_real ? weight8(is_real ? load_part(x + j, m) - peak : zero - 87.0f) : zero;
-      std::memcpy(x + j, &w, m * sizeof(float));
-      total += w;
-    }
+    const v8f total = exponentiate_in_place(x + lo, std::min(V, lo + chunk) - lo, peak, weight8);
     float parts[kLanes];
     std::memcpy(parts, &total, sizeof(parts));
     sums[c] = lanes_total(parts);

@@ -59,4 +59,29 @@ inline v8f exp8_nonpositive(v8f x) {
   return y * scale;
 }
 
+// In place, x[t] -> exp(x[t] - peak) for the n floats at x (each <= peak, or NaN), by `exp` (an
+// exponential for x <= 0, eight at a time); returns the lanes' partial totals, term t in lane
+// t % kLanes. The last few are padded to a vector whose padded lanes exponentiate -87 (0 minus the
+// peak could be +inf: an overflowing conversion to int inside the exponential) and count 0.
+template <typename Exp>
+inline v8f exponentiate_in_place(float* __restrict x, int64_t n, float peak, Exp exp) {
+  v8f lanes = {};
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    const v8f e = exp(load8(x + t) - peak);
+    std::memcpy(x + t, &e, sizeof(e));
+    lanes += e;
+  }
+  if (t < n) {
+    const int64_t m = n - t;
+    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const v8i is_real = lane < static_cast<int32_t>(m);
+    const v8f zero = {};
+    const v8f e = is_real ? exp(is_real ? load_part(x + t, m) - peak : zero - 87.0f) : zero;
+    std::memcpy(x + t, &e, m * sizeof(float));
+    lanes += e;
+  }
+  return lanes;
+}
+
 }  // namespace tether_simd
