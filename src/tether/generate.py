@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tether.builders import DTYPES, eos_token_ids, resolve_device
 from tether.data.loading import load_prompts
 from tether.data.records import PromptRecord
@@ -103,8 +105,8 @@ def _line(record: PromptRecord, path: str) -> str:
     return record.where or f"{path}:{record.index + 1}"
 
 
-def build_engine(args: argparse.Namespace, tokenizer: Any) -> LLMEngine:
-    dtype, device = DTYPES[args.dtype], resolve_device(args.device, "--device")
+def build_engine(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> LLMEngine:
+    dtype = DTYPES[args.dtype]
     model = load_model(args.model, dtype=dtype, device=device)
     draft = load_model(args.draft_model, dtype=dtype, device=device) if args.draft_model else None
     speculative = "draft" if draft is not None else args.speculative
@@ -114,7 +116,7 @@ def build_engine(args: argparse.Namespace, tokenizer: Any) -> LLMEngine:
 
 
 def run_generate(args: argparse.Namespace) -> Path:
-    resolve_device(args.device, "--device")  # a bad device fails before anything is read or written
+    device = resolve_device(args.device, "--device")  # a bad device fails before anything is read or written
     read_model_config(args.model)  # a bad config.json is named as such, not as a tokenizer failure
     tokenizer = load_tokenizer(args.model)
     records = load_prompts(args.prompts)
@@ -133,7 +135,7 @@ def run_generate(args: argparse.Namespace) -> Path:
     partial = target.with_name(target.name + ".partial") if is_regular else target
     _check_writable(out, partial, is_regular)  # before generating: nothing computed is lost to a bad path
     prompt_ids = [_encode(tokenizer, r, args.prompts) for r in records]  # before the engine: a bad line fails fast
-    engine = build_engine(args, tokenizer)
+    engine = build_engine(args, tokenizer, device)
     completions = engine.generate(prompt_ids, params)
     with partial.open("w") as f:
         for c in completions:

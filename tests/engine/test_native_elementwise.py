@@ -3,27 +3,22 @@ plain sampler's weights, against the torch ops they replace."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.native import built_kernels, needs_toolchain
 from tether.engine import native
 from tether.engine.rng import SampleRNG
 from tether.engine.sampler import _CDF_CHUNK, Sampler, _weights
 from tether.engine.types import SamplingParams
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler here"
-)
+pytestmark = needs_toolchain
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    built = native.compiled_kernels()
-    assert built is not None, "a C++ compiler is here but the kernels did not build (see the warning)"
-    return built
+    return built_kernels()
 
 
 def test_silu_mul_is_silus_product_with_the_same_bits_at_every_offset(kernels):
@@ -87,7 +82,7 @@ def test_the_sampler_draws_the_same_tokens_through_the_kernel(kernels):
 
 
 def test_the_mlps_take_the_kernel_only_inside_a_step_and_without_gradients(kernels):
-    from tether.engine.runner import _silu_mul_swapped
+    from tether.engine.runner import _silu_mul_hook, _silu_mul_swapped
     from tether.models.config import ModelConfig
     from tether.models.decoder import MLP
 
@@ -96,7 +91,7 @@ def test_the_mlps_take_the_kernel_only_inside_a_step_and_without_gradients(kerne
     mlp = MLP(config)
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(3))
     plain = mlp(x)
-    with _silu_mul_swapped([mlp], kernels.silu_mul):
+    with _silu_mul_swapped([mlp], _silu_mul_hook(kernels.silu_mul)):
         with torch.inference_mode():
             served = mlp(x)  # the engine's step: the kernel
         trained = mlp(x)  # a forward that records gradients meanwhile (another thread): F.silu

@@ -140,6 +140,7 @@ class ModelRunner:
         self.is_batch_invariant = batch_invariant is not False and self._is_invariant_here(batch_invariant)
         # The MLPs' silu(gate) * up by the compiled kernel while this runner serves a step.
         self._mlps = [m for m in model.modules() if isinstance(m, MLP)] if self.silu_mul is not None else []
+        self._silu_mul_hook = _silu_mul_hook(self.silu_mul) if self.silu_mul is not None else None
         self.weights = WeightsWatch(model)  # what the KV was computed with: changes outside load_weights
         self._finite_checks: list[torch.Tensor] = []  # per forward since saw_nonfinite(): all finite?
 
@@ -157,7 +158,7 @@ class ModelRunner:
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
         # Before the forward: on a GPU a host-to-device copy waits for the work queued before it.
         logits_index = torch.tensor(step.logits_index, dtype=torch.long, device=self.device)
-        with self.packed.serving(), _silu_mul_swapped(self._mlps, self.silu_mul):
+        with self.packed.serving(), _silu_mul_swapped(self._mlps, self._silu_mul_hook):
             try:
                 hidden = self.model(input_ids, positions, attn)  # [1, T, H]
             except BaseException:
@@ -267,19 +268,23 @@ class ModelRunner:
         return len(updates)
 
 
-@contextmanager
-def _silu_mul_swapped(mlps: list[MLP], kernel: SiluMul | None) -> Iterator[None]:
-    """The MLPs compute ``silu(gate) * up`` by the compiled ``kernel`` until the block ends (only this
-    step's forward). A forward that records gradients meanwhile (another thread training the same
-    model; grad mode is per thread) takes ``F.silu``: the kernel has no autograd."""
+def _silu_mul_hook(kernel: SiluMul) -> SiluMul:
+    """``silu(gate) * up`` by the compiled ``kernel``, or by ``F.silu`` in a forward that records
+    gradients (another thread training the same model meanwhile; grad mode is per thread): the
+    kernel has no autograd."""
 
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or kernel is None:
-            return F.silu(gate) * up
-        return kernel(gate, up)
+        return F.silu(gate) * up if torch.is_grad_enabled() else kernel(gate, up)
 
+    return silu_mul
+
+
+@contextmanager
+def _silu_mul_swapped(mlps: list[MLP], hook: SiluMul | None) -> Iterator[None]:
+    """The MLPs compute ``silu(gate) * up`` by ``hook`` (``_silu_mul_hook``) until the block ends (only
+    this step's forward)."""
     for mlp in mlps:
-        mlp.__dict__["_silu_mul"] = silu_mul
+        mlp.__dict__["_silu_mul"] = hook
     try:
         yield
     finally:
