@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import warnings
@@ -13,20 +12,15 @@ import pytest
 import torch
 
 from helpers.hf_tiny import make_hf_checkpoint
+from helpers.native import built_kernels, needs_toolchain
 from tether.engine import EngineConfig, LLMEngine, SamplingParams, native
 from tether.engine.attention import AttentionGroup, _attend_decode, _attend_decode_native
 from tether.models import load_model
 
-needs_toolchain = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler here"
-)
-
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = native.decode_attention_kernel()
-    assert built is not None, "a C++ compiler is here but the kernel did not build (see the warning)"
-    return built
+    return built_kernels().decode_attention
 
 
 def _decode_group(lengths: list[int], num_keys: int, window: int | None) -> AttentionGroup:
