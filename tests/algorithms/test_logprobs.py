@@ -86,6 +86,30 @@ def test_min_p_hand_computed():
     torch.testing.assert_close(out, expected)
 
 
+def test_equal_logits_at_a_threshold_are_kept_together():
+    # Top-k 2 of [1, 3, 2, 2, 0]: 3 and both 2s (ties with the k-th largest stay, as in HF and vLLM).
+    out = process_logits(torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0]), temperature=1.0, top_k=2)
+    assert out.isfinite().tolist() == [False, True, True, True, False]
+    # Probs 0.4, 0.2, 0.2, 0.2 and top-p 0.5: the more likely mass before each 0.2 is 0.4 < 0.5, so
+    # all three 0.2s are in, not the one the sort happened to put first.
+    out = process_logits(_log([0.2, 0.4, 0.2, 0.2]), temperature=1.0, top_p=0.5)
+    torch.testing.assert_close(out, _log([0.2, 0.4, 0.2, 0.2]))
+
+
+def test_filters_depend_on_the_values_not_on_where_the_sort_puts_ties():
+    """bf16-rounded logits tie often: permuting a row's vocabulary permutes its log-probs exactly,
+    so the trainer's device (whose sort may order ties otherwise) keeps the engine's tokens."""
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 300, generator=generator) * 2).bfloat16().float()
+    assert (logits[:, :, None] == logits[:, None, :]).sum() > logits.numel()  # ties there are
+    for top_k, top_p, min_p in [(7, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.3), (20, 0.9, 0.05)]:
+        out = process_logits(logits, 0.8, top_k=top_k, top_p=top_p, min_p=min_p)
+        perm = torch.randperm(300, generator=generator)
+        permuted = process_logits(logits[:, perm], 0.8, top_k=top_k, top_p=top_p, min_p=min_p)
+        assert torch.equal(permuted.isfinite(), out[:, perm].isfinite())
+        torch.testing.assert_close(permuted, out[:, perm], rtol=0, atol=1e-6)
+
+
 def test_temperature_scales_logits():
     # Logits [0, 2] / 2 = [0, 1]: log-probs -log(1 + e), 1 - log(1 + e).
     out = process_logits(torch.tensor([0.0, 2.0]), temperature=2.0)

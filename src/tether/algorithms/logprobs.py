@@ -41,15 +41,23 @@ def _keep_mask(scaled: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -
     vocab_size = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [..., V]
     rank = torch.arange(vocab_size, device=scaled.device)  # [V]
+    # Where equal logits land in the sort is the sort's choice (stable or not, CPU or GPU): each rule
+    # reads a token's tie run by its first rank, so equal logits are kept or dropped together and the
+    # mask is a function of the values alone, the same on the engine's device and the trainer's.
+    is_run_start = torch.ones_like(sorted_logits, dtype=torch.bool)
+    is_run_start[..., 1:] = sorted_logits[..., 1:] != sorted_logits[..., :-1]
+    run_start = torch.where(is_run_start, rank, 0).cummax(dim=-1).values  # [..., V]
 
+    # Top-k keeps every token tied with the k-th largest (HF's and vLLM's threshold).
     k = _as_row_param(top_k, scaled)  # [..., 1]
-    keep = (k <= 0) | (rank < k)  # [..., V] in sorted order
+    keep = (k <= 0) | (run_start < k)  # [..., V] in sorted order
 
     # Top-p acts on the distribution renormalised after top-k (as in vLLM and HF's warpers).
-    # A token is in the nucleus when the mass strictly before it is < top_p: the smallest prefix
-    # whose mass reaches top_p. top_p >= 1 disables the filter so rounding cannot drop a tail token.
+    # A token is in the nucleus when the mass of the tokens strictly more likely is < top_p: the
+    # smallest prefix whose mass reaches top_p, ties included. top_p >= 1 disables the filter so
+    # rounding cannot drop a tail token.
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)  # [..., V]
-    mass_before = probs.cumsum(dim=-1) - probs
+    mass_before = (probs.cumsum(dim=-1) - probs).gather(-1, run_start)
     p = _as_row_param(top_p, scaled)
     keep &= (p >= 1.0) | (mass_before < p)
 
@@ -57,7 +65,7 @@ def _keep_mask(scaled: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -
     m = _as_row_param(min_p, scaled)
     keep &= (m <= 0.0) | (probs >= m * probs[..., :1])
 
-    keep[..., 0] = True  # the most likely token always survives, whatever the thresholds
+    keep |= run_start == 0  # the most likely tokens always survive, whatever the thresholds
     return torch.zeros_like(keep).scatter(-1, order, keep)  # back to vocabulary order
 
 
