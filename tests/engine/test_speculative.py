@@ -226,6 +226,20 @@ def test_greedy_acceptance_is_argmax_match():
         assert fast.token_ids[row, : n + 1].tolist() == verdict.token_ids[row, : n + 1].tolist()
 
 
+def test_greedy_rows_verified_beside_sampled_rows_take_the_log_prob_argmax():
+    """Logits one float step apart: exp rounds both to one probability, the log-probs still differ.
+    A greedy row of a draft-model verification picks what plain greedy decoding picks."""
+    logits = torch.tensor([0.6995997428894043, 0.6995998024940491, -0.7301396727561951, -0.150410458445549])
+    plain = Sampler().sample(logits[None].clone(), [SamplingParams(temperature=0.0)], [SampleRNG(0)])
+    logprobs = torch.log_softmax(logits, dim=-1)[None, None].expand(2, 2, 4).clone()  # [greedy, sampled], K=1
+    verdict = accept_drafts(logprobs, torch.tensor([[3, 0], [3, 0]]), torch.tensor([1, 1]),
+                            torch.full((2, 2, 4), 0.25), torch.tensor([True, False]),
+                            torch.rand(2, 2, 2, generator=torch.Generator().manual_seed(0)),
+                            torch.tensor([False, True]))
+    assert plain.token_ids == [1]
+    assert verdict.num_accepted[0] == 0 and verdict.token_ids[0, 0] == 1
+
+
 # ---------------------------------------------------------------------------- the engine
 
 
@@ -386,6 +400,25 @@ def test_draft_model_samples_depend_on_the_seed_not_on_the_drafts_or_the_batch(p
     assert preempting.stats.num_preemptions > 0
     draft_counts = {e.stats.num_draft_tokens for e in (roomy, one, tight, preempting)}
     assert len(draft_counts) == 4 and 0 not in draft_counts
+
+
+def test_plain_steps_of_a_draft_model_engine_spend_no_draw_of_its_acceptance_tests(paths):
+    """A draft that overflows on a context stops drafting for it: that sample's later tokens are plain
+    steps. They draw by output position (the draw a bonus token at that position would take), never
+    the stream's counter draws 0, 1, 2, ..., which are the draws that decided its earlier tokens."""
+    models = {key: load_model(paths[key]) for key in ("target", "draft")}
+    with torch.no_grad():
+        models["draft"].model.embed_tokens.weight[99] = float("inf")
+    config = EngineConfig(num_kv_blocks=32, block_size=4, speculative="draft", num_speculative_tokens=3)
+    engine = LLMEngine(models["target"], config=config, draft_model=models["draft"])
+    request_id = engine.add_request([5, 6, 99, 7, 8], SamplingParams(temperature=1.0, max_new_tokens=6, seed=2, n=2))
+    seqs = list(engine._requests[request_id])
+    completions = []
+    while engine.has_unfinished():
+        completions.extend(engine.step())
+    assert [len(c.token_ids) for c in completions] == [6, 6]
+    assert all(seq.is_draft_off for seq in seqs) and engine.stats.num_draft_tokens == 0
+    assert [seq.rng.num_draws for seq in seqs] == [0, 0]
 
 
 @pytest.mark.parametrize("overflowing", [("target", "draft"), ("draft",)])

@@ -245,7 +245,11 @@ class LLMEngine:
             return []  # a step of prefill chunks only
         seqs, _, logits = self._with_groups(samplers, [1] * len(samplers), logits)
         # These rows of the step's logits are read by nothing else: sampled in place.
-        result = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs], may_overwrite=True)
+        # A draft-model engine's rows draw by output position, in plain steps too (Sampler.sample).
+        positions = ([s.num_output_tokens for s in seqs]
+                     if self.proposer is not None and self.proposer.is_position_keyed else None)
+        result = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs], may_overwrite=True,
+                                     positions=positions)
         done: list[Completion] = []
         for seq, token_id, logprob in zip(seqs, result.token_ids, result.logprobs):
             self._emit(seq, [token_id], [logprob])

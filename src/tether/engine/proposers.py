@@ -9,7 +9,7 @@ picks one from ``EngineConfig.speculative``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -43,6 +43,11 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    # Whether the sampled rows of an engine with this proposer draw by output position
+    # (``rng.position_uniforms``) rather than from their stream's counter: also in plain steps, so that
+    # no draw is spent twice (``LLMEngine._sample_and_finish``).
+    is_position_keyed: bool
+
     def propose(
         self, seqs: list[Sequence], max_num_tokens: list[int], block_copies: list[tuple[int, int]]
     ) -> list[Proposal]:
@@ -89,6 +94,7 @@ class NgramProposer:
     n_max: int = 4
     n_min: int = 1
     num_tokens: int = 4  # k
+    is_position_keyed: ClassVar[bool] = False  # the coupled test draws from the plain stream
 
     def propose(
         self, seqs: list[Sequence], max_num_tokens: list[int], block_copies: list[tuple[int, int]]
@@ -115,6 +121,8 @@ class DraftModelProposer:
     Every sequence that samples (not greedy) gets a tail (``tether.engine.speculative``), also with no
     slot for fed drafts: at a prompt's end, or when the step's budget ran out.
     """
+
+    is_position_keyed = True  # the acceptance test draws by output position, so plain steps do too
 
     def __init__(
         self, draft_model: DecoderModel, num_tokens: int, *, num_blocks: int, block_size: int,

@@ -17,7 +17,9 @@ seed and how many it drew before.
 
 Draft-model speculation keys its draws by the output position instead (``position_uniforms``):
 the token at output index t has draws ``3t + k`` for its k-th purpose (the draft token, the
-acceptance test, the residual), whatever step or how many drafts produced it.
+acceptance test, the residual), whatever step or how many drafts produced it. Such an engine's
+plain steps (a sample whose draft stopped drafting) draw ``3t + 2`` too, the bonus token's draw: a
+counter draw ``j`` there would be a draw an earlier token's test already spent.
 """
 
 from __future__ import annotations

@@ -21,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tether.algorithms.logprobs import process_logits
-from tether.engine.rng import SampleRNG, draw_uniforms
+from tether.engine.rng import STOP_DRAW, SampleRNG, draw_uniforms, position_uniforms
 from tether.engine.sequence import Sequence
 from tether.engine.types import FinishReason, SamplingParams
 
@@ -75,17 +76,24 @@ class Sampler:
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[SampleRNG],
-        may_overwrite: bool = False,
+        may_overwrite: bool = False, positions: list[int] | None = None,
     ) -> SampleResult:
         """logits ``[N, V]`` (row i belongs to params[i], rngs[i]) -> a token and log-prob per row.
 
         Every sampling (non-greedy) row draws exactly one uniform from its stream; greedy rows none.
-        ``may_overwrite``: the caller no longer needs ``logits`` (the engine's own step output), so
-        the plain path may work in place instead of allocating another ``[N, V]`` tensor."""
+        With ``positions`` (row i's output position), the draw is the one draft-model speculation
+        would make for a token it does not draft (``position_uniforms``, ``STOP_DRAW``) and the
+        streams do not advance: rows of such an engine that take a plain step spend no draw that its
+        acceptance tests use. ``may_overwrite``: the caller no longer needs ``logits`` (the engine's
+        own step output), so the plain path may work in place instead of allocating another
+        ``[N, V]`` tensor."""
         sampling = [i for i, p in enumerate(params) if not p.is_greedy]
         uniforms = torch.zeros(len(params))  # [N] greedy rows draw none (their entry is not read)
-        if sampling:
+        if sampling and positions is None:
             uniforms[sampling] = draw_uniforms([rngs[i] for i in sampling])[:, 0]
+        elif sampling:
+            at = np.array([[positions[i]] for i in sampling])
+            uniforms[sampling] = position_uniforms([rngs[i] for i in sampling], at, STOP_DRAW)[:, 0]
         return sample_with_uniforms(logits, params, uniforms.to(logits.device), may_overwrite, self.weights_kernel)
 
 

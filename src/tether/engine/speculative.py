@@ -202,7 +202,9 @@ def accept_drafts(
     # A rejection implies p(d) < q(d), so the residual has mass; rounding can still empty it.
     is_residual = (num_passed < num_tested) & (residual.sum(dim=-1) > 0)  # [S]
     final = inverse_cdf(torch.where(is_residual[:, None], residual, p_stop), uniforms[rows, stop, 1])
-    final = torch.where(is_greedy, p_stop.argmax(dim=-1), final)  # [S]
+    # Greedy rows take the argmax of the log-probs, as plain decoding and the acceptance test do: exp
+    # can round two log-probs one float step apart to the same probability.
+    final = torch.where(is_greedy, logprobs[rows, stop].argmax(dim=-1), final)  # [S]
     is_tail_emitted = has_tail & (num_passed == num_tested)  # its draft stands as the last token
     token_ids = draft_ids.clone()
     token_ids[rows, stop] = torch.where(is_tail_emitted, token_ids[rows, stop], final)
