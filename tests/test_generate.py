@@ -67,6 +67,8 @@ def test_greedy_equals_transformers_and_format(model_dir, tmp_path):
     ({"prompt": "x", "temp": 0}, "p.jsonl:3: field 'temp' is not a tether sampling setting (tether's name is "
                                  "'temperature')"),
     ({"prompt": "x", "repetition_penalty": 1.1}, "field 'repetition_penalty' is not a tether sampling setting"),
+    ({"prompt": "x", "max_length": 2}, "field 'max_length' is not a tether sampling setting"),
+    ({"prompt": "x", "min_tokens": 3}, "field 'min_tokens' is not a tether sampling setting"),
     ({"prompt": "x", "stop": "a", "stop_strings": "b"}, "give 'stop' or 'stop_strings', not both"),
     ({"prompt": "x", "stop_token_ids": [2, "a"]}, "field 'stop_token_ids' must be a list of token ids"),
     ({"prompt": "x", "n": 10**6}, "p.jsonl:3: n must be in [1, 65536]"),
@@ -150,6 +152,17 @@ def test_a_prompt_line_may_give_its_own_stop_strings(model_dir, tmp_path):
                   {"prompt": "ab", "seed": 3}]) == [expected, expected, expected, (free, reason)]
 
 
+def test_a_null_field_is_a_setting_not_given(model_dir, tmp_path):
+    """A table's row carries every column: a null override (a Parquet row without one) is no override."""
+    rows = [{"prompt": "ab", "seed": 3}, {"prompt": "ab", "seed": 3, "max_new_tokens": None, "top_p": None,
+                                         "stop": None, "stop_token_ids": None}]
+    result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / "p.jsonl", rows)),
+                   "--max-new-tokens", "6", "--output", str(tmp_path / "o.jsonl")], tmp_path)
+    assert result.returncode == 0, result.stderr
+    first, second = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert second["token_ids"] == first["token_ids"] and second["logprobs"] == first["logprobs"]
+
+
 def test_stop_token_ids_from_a_line_and_the_command_line(model_dir, tmp_path):
     from tether.models.tokenizer import load_tokenizer
 
@@ -178,12 +191,16 @@ def test_stop_token_ids_from_a_line_and_the_command_line(model_dir, tmp_path):
     (["--n", "0"], "command line: "),
     (["--stop", ""], "--stop: a stop string must not be empty"),
     (["--device", "tpu"], "--device 'tpu': not a device (auto, cpu, cuda or cuda:N)"),
+    (["--speculative", "ngram", "--draft-model", "{model}"], "--speculative ngram and --draft-model: give one"),
+    (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1, got 0"),
+    (["--stop-token-id", "1000000"], "--stop-token-id 1000000: not in the model's vocabulary"),
+    (["--output", "/dev/full"], "--output /dev/full: writing failed (No space left on device)"),
     pytest.param(["--device", "cuda"], "--device 'cuda': torch sees no CUDA device here",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
 ])
 def test_bad_command_line_is_one_line_error(model_dir, tmp_path, extra, needle):
     prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ok"}])
-    extra = [arg.format(tmp=tmp_path) for arg in extra]
+    extra = [arg.format(tmp=tmp_path, model=model_dir) for arg in extra]
     output = [] if "--output" in extra else ["--output", str(tmp_path / "o.jsonl")]
     result = _run(["--model", str(model_dir), "--prompts", str(prompts), *output, *extra], tmp_path)
     assert result.returncode == 2, result.stderr

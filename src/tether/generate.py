@@ -6,7 +6,8 @@ line may override ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``m
 ``n``, and give ``stop`` (or ``stop_strings``: a string or a list of strings, its stop strings in
 place of ``--stop``) and ``stop_token_ids`` (a list of token ids, in addition to the tokenizer's EOS
 and ``--stop-token-id``). Sampling settings named as in other tools (``temp``, ``max_tokens``,
-``repetition_penalty``, ...) are refused with the line and the name, never silently ignored.
+``repetition_penalty``, ...) are refused with the line and the name, never silently ignored; a null
+field is a setting not given (a table file has every column in every row).
 A line without a ``seed`` samples with its own seed derived from ``--seed`` and its position
 (``SamplingParams.for_request``): two lines with the same prompt give different samples, and the
 run repeats exactly.
@@ -40,9 +41,13 @@ OVERRIDABLE = {"max_new_tokens": int, "temperature": float, "top_p": float, "top
 STOP_FIELDS = ("stop", "stop_strings", "stop_token_ids")
 # Sampling settings of other tools (vLLM, OpenAI, transformers): tether's name, or None (no such setting).
 FOREIGN_FIELDS = {"temp": "temperature", "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-                  "stop_sequences": "stop", "num_return_sequences": "n", "best_of": None, "do_sample": None,
-                  "repetition_penalty": None, "presence_penalty": None, "frequency_penalty": None,
-                  "ignore_eos": None, "length_penalty": None}
+                  "stop_sequences": "stop", "num_return_sequences": "n", "random_seed": "seed",
+                  "best_of": None, "do_sample": None, "repetition_penalty": None, "presence_penalty": None,
+                  "frequency_penalty": None, "ignore_eos": None, "length_penalty": None, "max_length": None,
+                  "min_length": None, "min_tokens": None, "min_new_tokens": None, "typical_p": None,
+                  "num_beams": None, "use_beam_search": None, "logit_bias": None, "bad_words": None,
+                  "bad_words_ids": None, "no_repeat_ngram_size": None, "epsilon_cutoff": None, "eta_cutoff": None,
+                  "top_a": None, "logprobs": None, "prompt_logprobs": None, "include_stop_str_in_output": None}
 
 
 def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> SamplingParams:
@@ -50,9 +55,11 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
     seed of its own gets one derived from the base seed and its position."""
     where = _line(record, where)
     values = dict(base)
+    # A null is a setting not given: a Parquet or table file has every column in every row.
+    fields = {key: value for key, value in record.fields.items() if value is not None}
     # Other fields are the user's own (an answer, an id): kept, unused; but not other tools' names for
     # sampling settings, which would silently not apply.
-    for key in record.fields:
+    for key in fields:
         if key in FOREIGN_FIELDS:
             ours = FOREIGN_FIELDS[key]
             hint = f"tether's name is '{ours}'" if ours else "tether generate has no such setting"
@@ -61,8 +68,8 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
         if key not in OVERRIDABLE and key not in STOP_FIELDS and close:
             raise DataError(f"{where}: unknown field '{key}' (did you mean '{close[0]}'?)")
     for key, kind in OVERRIDABLE.items():
-        if key in record.fields:
-            value = record.fields[key]
+        if key in fields:
+            value = fields[key]
             if isinstance(value, float) and not math.isfinite(value):
                 raise DataError(f"{where}: field '{key}' must be a finite number, got {value!r}")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
@@ -71,17 +78,17 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
                 values[key] = kind(value)
             except OverflowError:  # an integer with hundreds of digits for a float field
                 raise DataError(f"{where}: field '{key}' is out of range ({str(value)[:20]}...)") from None
-    if "stop" in record.fields and "stop_strings" in record.fields:
+    if "stop" in fields and "stop_strings" in fields:
         raise DataError(f"{where}: give 'stop' or 'stop_strings', not both")
     for key in ("stop", "stop_strings"):
-        if key in record.fields:
-            stop = record.fields[key]
+        if key in fields:
+            stop = fields[key]
             stops = [stop] if isinstance(stop, str) else stop
             if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
                 raise DataError(f"{where}: field '{key}' must be a non-empty string or a list of them, got {stop!r}")
             values["stop_strings"] = tuple(stops)
-    if "stop_token_ids" in record.fields:
-        ids = record.fields["stop_token_ids"]
+    if "stop_token_ids" in fields:
+        ids = fields["stop_token_ids"]
         if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids):
             raise DataError(f"{where}: field 'stop_token_ids' must be a list of token ids (ints >= 0), got {ids!r}")
         values["stop_token_ids"] = (*values.get("stop_token_ids", ()), *ids)
@@ -89,7 +96,7 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
         params = SamplingParams(**values)
     except ValueError as exc:
         raise DataError(f"{where}: {exc}") from None
-    return params if "seed" in record.fields else params.for_request(record.index)
+    return params if "seed" in fields else params.for_request(record.index)
 
 
 def _encode(tokenizer: Any, record: PromptRecord, where: str) -> list[int]:
@@ -117,7 +124,8 @@ def build_engine(args: argparse.Namespace, tokenizer: Any, device: torch.device)
 
 def run_generate(args: argparse.Namespace) -> Path:
     device = resolve_device(args.device, "--device")  # a bad device fails before anything is read or written
-    read_model_config(args.model)  # a bad config.json is named as such, not as a tokenizer failure
+    model_config = read_model_config(args.model)  # a bad config.json is named as such, not as a tokenizer failure
+    _check_flags(args, model_config.vocab_size)
     tokenizer = load_tokenizer(args.model)
     records = load_prompts(args.prompts)
     base = {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
@@ -137,19 +145,37 @@ def run_generate(args: argparse.Namespace) -> Path:
     prompt_ids = [_encode(tokenizer, r, args.prompts) for r in records]  # before the engine: a bad line fails fast
     engine = build_engine(args, tokenizer, device)
     completions = engine.generate(prompt_ids, params)
-    with partial.open("w") as f:
-        for c in completions:
-            line = {"prompt_index": c.prompt_index, "sample_index": c.sample_index,
-                    "text": tokenizer.decode(c.token_ids, skip_special_tokens=True), "token_ids": c.token_ids,
-                    "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-            if c.error:
-                line["error"] = c.error
-            f.write(json.dumps(line) + "\n")
-    if is_regular:
-        os.replace(partial, target)
+    try:
+        with partial.open("w") as f:
+            for c in completions:
+                line = {"prompt_index": c.prompt_index, "sample_index": c.sample_index,
+                        "text": tokenizer.decode(c.token_ids, skip_special_tokens=True), "token_ids": c.token_ids,
+                        "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                if c.error:
+                    line["error"] = c.error
+                f.write(json.dumps(line) + "\n")
+        if is_regular:
+            os.replace(partial, target)  # only a complete file replaces what --output held
+    except OSError as exc:  # a full disk, a vanished directory: the earlier --output stays as it was
+        raise TetherError(f"--output {out}: writing failed ({exc.strerror or exc})") from None
+    num_failed = sum(1 for c in completions if c.error)
+    failed = f" ({num_failed} failed: see their 'error')" if num_failed else ""
     # On stderr: --output /dev/stdout gets the JSON lines alone.
-    print(f"wrote {len(completions)} samples for {len(records)} prompts to {out}", file=sys.stderr, flush=True)
+    print(f"wrote {len(completions)} samples for {len(records)} prompts to {out}{failed}", file=sys.stderr,
+          flush=True)
     return out
+
+
+def _check_flags(args: argparse.Namespace, vocab_size: int) -> None:
+    """Flags that cannot work together or with this model, before anything is read or written."""
+    if args.speculative and args.draft_model:
+        raise TetherError(f"--speculative {args.speculative} and --draft-model: give one (a draft model is its "
+                          "own kind of speculative decoding)")
+    if args.num_speculative_tokens < 1:
+        raise TetherError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    for token_id in args.stop_token_id:
+        if not 0 <= token_id < vocab_size:
+            raise TetherError(f"--stop-token-id {token_id}: not in the model's vocabulary [0, {vocab_size})")
 
 
 def _check_writable(out: Path, path: Path, is_regular: bool) -> None:

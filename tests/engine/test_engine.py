@@ -122,6 +122,9 @@ def test_incremental_api_and_abort(qwen2_path):
     drop = engine.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=50, n=3))
     engine.step()
     engine.step()
+    for bad in (True, "2", 2.0, [drop, "2"]):  # nothing aborted by a value that is no request id
+        with pytest.raises(TypeError, match="abort"):
+            engine.abort(bad)
     engine.abort([drop])
     finished: list[Completion] = []
     while engine.has_unfinished():
@@ -400,6 +403,13 @@ def test_bad_config_is_a_config_error(qwen2_path):
         with pytest.raises(ConfigError, match="engine.stop_token_ids must be token ids"):
             EngineConfig(stop_token_ids=bad)
     assert EngineConfig(stop_token_ids=[np.int64(2), 7]).stop_token_ids == (2, 7)
+    # Values of the wrong type are named (the API has no YAML schema to convert them).
+    for field, value, needle in [("block_size", "16", "an integer"), ("max_num_seqs", 2.5, "an integer"),
+                                 ("seed", None, "an integer"), ("num_kv_blocks", True, "an integer or null"),
+                                 ("enable_prefix_caching", "no", "true or false"),
+                                 ("kv_cache_memory_fraction", "0.3", "a number"), ("block_size", 10**9, "<= 1024")]:
+        with pytest.raises(ConfigError, match=f"engine.{field} must be {needle}"):
+            EngineConfig(**{field: value})
 
 
 def test_sliding_window_matches_transformers(tmp_path):
@@ -429,6 +439,8 @@ def test_pool_sized_from_a_byte_budget(qwen2_path):
     drafted = LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=10 * 8192 + 4096 + 100,
                                                    speculative="draft"), draft_model=load_model(qwen2_path))
     assert drafted.block_manager.num_blocks == 10
+    with pytest.raises(ConfigError, match="engine.kv_cache_bytes=4000 holds no KV block: one takes 6144 bytes"):
+        LLMEngine(model, config=EngineConfig(block_size=4, kv_cache_bytes=4000))
 
 
 def test_gpu_free_memory_counts_what_torch_caches_unused(monkeypatch):
@@ -523,8 +535,11 @@ def test_a_failed_update_leaves_weights_version_and_prefix_cache_as_they_were(qw
         with pytest.raises(CheckpointError, match=needle):
             engine.update_weights(bad, version=1)
         assert torch.equal(layer, saved) and engine.policy_version == 0
-    with pytest.raises(CheckpointError, match="version must be an int"):
-        engine.update_weights([zeros], version="v2")
+    for version in ("v2", -1, True):
+        with pytest.raises(CheckpointError, match="version must be an int >= 0"):
+            engine.update_weights([zeros], version=version)
+    with pytest.raises(CheckpointError, match=r"give \(name, tensor\) pairs or a state dict, got NoneType"):
+        engine.update_weights(None, version=1)
     again = engine.generate([PROMPTS[0]], params)[0]
     assert again.token_ids == before.token_ids and again.versions == [0] * 6
     engine.update_weights(dict([zeros]), version=1)  # a state dict is taken as its items

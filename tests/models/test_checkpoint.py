@@ -153,6 +153,19 @@ def test_misshaped_tensor(checkpoint):
     assert_one_line_error(checkpoint, "model.safetensors", "'model.norm.weight'", "[3]", "[64]")
 
 
+def test_integer_tensor(checkpoint):
+    rewrite_weights(checkpoint, lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int64)}))
+    assert_one_line_error(checkpoint, "model.safetensors", "'model.norm.weight'", "torch.int64", "floating")
+
+
+@pytest.mark.parametrize("key, value", [("vocab_size", -5), ("intermediate_size", 0), ("num_key_value_heads", -2),
+                                        ("num_attention_heads", 0), ("max_position_embeddings", -1)])
+def test_sizes_below_one_in_config_json(checkpoint, key, value):
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, key: value}))
+    assert_one_line_error(checkpoint, "config.json", key)
+
+
 def test_unexpected_tensor(checkpoint):
     rewrite_weights(checkpoint, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.ones(64)}))
     assert_one_line_error(checkpoint, "model.safetensors", "'model.layers.0.self_attn.o_proj.bias'")

@@ -8,6 +8,13 @@ from tether.engine.types import as_stop_token_ids
 from tether.errors import ConfigError
 
 SPECULATIVE_METHODS = (None, "ngram", "draft")
+MAX_BLOCK_SIZE = 1024  # tokens per KV block (vLLM's largest is 256); more only wastes the pool
+# Fields by type, checked before their values (the API takes no YAML schema's conversions).
+_INT_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed", "num_speculative_tokens",
+               "ngram_max", "ngram_min")
+_OPTIONAL_INT_FIELDS = ("max_model_len", "num_kv_blocks", "kv_cache_bytes")
+_BOOL_FIELDS = ("enable_prefix_caching", "enable_chunked_prefill", "recompute_kv_on_update", "cpu_pack_lm_head",
+                "cpu_native_attention")
 PACK_LINEARS_MODES = ("auto", "always", "never")  # EngineConfig.cpu_pack_linears
 
 
@@ -67,6 +74,9 @@ class EngineConfig:
     ngram_min: int = 1
 
     def __post_init__(self) -> None:
+        self._check_types()
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ConfigError(f"engine.block_size must be <= {MAX_BLOCK_SIZE}, got {self.block_size}")
         positive = {
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
@@ -106,3 +116,16 @@ class EngineConfig:
             raise ConfigError(
                 f"engine.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
             )
+
+    def _check_types(self) -> None:
+        for name in (*_INT_FIELDS, *_OPTIONAL_INT_FIELDS):
+            value = getattr(self, name)
+            if (value is not None or name in _INT_FIELDS) and (isinstance(value, bool) or not isinstance(value, int)):
+                kind = "an integer" if name in _INT_FIELDS else "an integer or null"
+                raise ConfigError(f"engine.{name} must be {kind}, got {value!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"engine.{name} must be true or false, got {getattr(self, name)!r}")
+        fraction = self.kv_cache_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+            raise ConfigError(f"engine.kv_cache_memory_fraction must be a number, got {fraction!r}")

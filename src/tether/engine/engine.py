@@ -144,9 +144,15 @@ class LLMEngine:
         ``finish_reason="abort"``, come out of the next ``step()`` with the tokens generated so far."""
         if request_ids is None:
             request_ids = list(self._requests)
-        elif isinstance(request_ids, numbers.Integral):
+        elif isinstance(request_ids, numbers.Integral) and not isinstance(request_ids, bool):
             request_ids = [int(request_ids)]
-        for request_id in list(request_ids):
+        elif isinstance(request_ids, str | bytes) or not isinstance(request_ids, Iterable):
+            raise TypeError(f"abort: give a request id, several, or None (all), got {request_ids!r}")
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
+                raise TypeError(f"abort: request ids are ints, got {request_id!r}")
+        for request_id in request_ids:
             for seq in self._requests.pop(request_id, []):
                 if seq.is_finished:
                     continue
@@ -406,8 +412,8 @@ class LLMEngine:
         means (``load_state_dict``, an optimizer step on the engine's model) are found at the next
         step and treated the same way, without a new version; writes through ``.data`` are not.
         """
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise CheckpointError(f"update_weights: version must be an int, got {version!r}")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise CheckpointError(f"update_weights: version must be an int >= 0, got {version!r}")
         self.runner.load_weights(named_tensors)
         self.policy_version = version
         self._on_new_weights()

@@ -239,6 +239,10 @@ class ModelRunner:
         ``(name, tensor)`` pairs or a mapping (a state dict). Every name, type, dtype and shape is
         checked before anything is copied: a bad update raises and leaves the weights as they were,
         never half old and half new."""
+        if not isinstance(named_tensors, Mapping) and (
+                isinstance(named_tensors, str | bytes) or not isinstance(named_tensors, Iterable)):
+            raise CheckpointError(f"update_weights: give (name, tensor) pairs or a state dict, got "
+                                  f"{type(named_tensors).__name__}")
         params = dict(self.model.named_parameters(remove_duplicate=False))
         updates = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         for index, item in enumerate(updates):
@@ -349,7 +353,13 @@ def num_kv_blocks_for(
     models = [model] if draft_model is None else [model, draft_model]
     per_block = sum(kv_bytes_per_block(m, block_size) for m in models)
     pad_bytes = sum(kv_bytes_per_block(m, block_size) // 2 for m in models)  # a pool block each
+    where = f"engine.kv_cache_bytes={kv_cache_bytes}"
     if kv_cache_bytes is None:
         device = next(iter(model.parameters())).device
         kv_cache_bytes = int(free_memory_bytes(device) * memory_fraction)
-    return max(1, min((kv_cache_bytes - pad_bytes) // per_block, max_blocks_useful))
+        where = f"engine.kv_cache_memory_fraction={memory_fraction} of free memory ({kv_cache_bytes} bytes)"
+    num_blocks = min((kv_cache_bytes - pad_bytes) // per_block, max_blocks_useful)
+    if num_blocks < 1:
+        raise ConfigError(f"{where} holds no KV block: one takes {per_block + pad_bytes} bytes at "
+                          f"engine.block_size={block_size} (lower it or give more memory)")
+    return num_blocks

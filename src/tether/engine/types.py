@@ -35,7 +35,10 @@ MAX_SAMPLES = 2**16  # n: a group's samples are made when its request is added
 def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int with hundreds of digits
+        raise ValueError(f"{name} is out of range ({str(value)[:20]}...)") from None
 
 
 def _as_int(name: str, value: object) -> int:

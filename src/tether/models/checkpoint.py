@@ -85,6 +85,8 @@ def _read_tensors(
                     if name not in expected:
                         raise CheckpointError(f"{file}: unexpected tensor {name!r} for this architecture")
                     tensor = handle.get_tensor(name)
+                    if not tensor.is_floating_point():  # a cast would make weights of its integers
+                        raise CheckpointError(f"{file}: tensor {name!r} is {tensor.dtype}, not floating point")
                     if tensor.shape != expected[name]:
                         raise CheckpointError(
                             f"{file}: tensor {name!r} has shape {list(tensor.shape)}, "

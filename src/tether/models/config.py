@@ -60,6 +60,11 @@ class RopeScaling:
         return {key: value for key, value in fields.items() if value is not None}
 
 
+# Sizes a model cannot have zero or fewer of (a negative one would fail deep in tensor allocation).
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model_type: str
@@ -92,6 +97,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_FAMILIES:
             raise CheckpointError(f"model_type {self.model_type!r} is not one of {SUPPORTED_FAMILIES}")
+        for name in _POSITIVE_SIZES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"{name} must be an integer >= 1, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise CheckpointError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -163,7 +172,7 @@ class ModelConfig:
         except CheckpointError as error:
             message = str(error)
             raise CheckpointError(message if message.startswith(source) else f"{source}: {message}") from None
-        except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as error:
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError, ZeroDivisionError) as error:
             raise CheckpointError(f"{source}: bad value ({type(error).__name__}: {error})") from None
 
     def to_hf(self) -> dict[str, Any]:
