@@ -106,6 +106,25 @@ def test_uncached_blocks_are_reused_before_cached_ones():
     assert taker.block_table[0] != cached_block_id(bm, [1, 2])
 
 
+def test_a_twin_block_is_reused_before_the_cached_one():
+    """Two sequences compute the same block in one step: the first registered is the cache's; the
+    twin keeps the hash for its children's chain but nothing can hit it, so it goes first when freed."""
+    bm = BlockManager(num_blocks=2, block_size=2)
+    first, twin = make_seq([1, 2], seq_id=0), make_seq([1, 2], seq_id=1)
+    bm.allocate(first, 2)
+    bm.allocate(twin, 2)
+    for seq in (first, twin):
+        seq.num_computed_tokens = 2
+        bm.commit(seq, 0)
+    twin_block = twin.block_table[0]
+    bm.free(first)
+    bm.free(twin)  # freed last: least-recently-freed order alone would hand out the cached block first
+    taker = make_seq([7, 8], seq_id=2)
+    compute(bm, taker, 2)
+    assert taker.block_table == [twin_block]
+    assert bm.match_prefix(make_seq([1, 2, 3], seq_id=3)) == 2  # the cached block survived
+
+
 def cached_block_id(bm: BlockManager, token_ids: list[int]) -> int:
     return next(b.block_id for b in bm.blocks if b.token_ids == tuple(token_ids))
 

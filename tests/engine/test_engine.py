@@ -382,6 +382,49 @@ def test_a_step_that_raises_leaves_no_request_of_its_call_behind(qwen2_path):
     assert_same_completions(engine.generate(PROMPTS[:2], params), expected)
 
 
+@pytest.mark.parametrize("where", ["forward", "sampler", "draft forward"])
+def test_stepping_on_after_a_step_that_raised_gives_the_same_completions(qwen2_path, where):
+    """The incremental API (an async loop's) steps on after a step raised (an OOM, an interrupt):
+    a step that stopped after forking a group (its copy-on-write copies taken, never made), after
+    marking its tokens computed (the sampler raised), or in a draft model's forward left sequences
+    with wrong or no KV to run on. Every completion comes out as in an undisturbed run, the pool
+    empties, and the prefix cache serves no KV the failed step left half-made."""
+    def engine() -> LLMEngine:
+        if where != "draft forward":
+            return make_engine(qwen2_path)
+        return LLMEngine(load_model(qwen2_path), config=EngineConfig(num_kv_blocks=128, block_size=4,
+                         speculative="draft", num_speculative_tokens=2), draft_model=load_model(qwen2_path))
+
+    prompt = [5, 6, 7, 8, 9, 10]  # its partly filled second block is shared by the group after the fork
+    params = [SamplingParams(temperature=0.0, max_new_tokens=6, n=3), SamplingParams(max_new_tokens=6, seed=9)]
+    expected = engine().generate([prompt, PROMPTS[2]], params)
+    flaky = engine()
+    target = {"forward": (flaky.runner, "run"), "sampler": (flaky.sampler, "sample"),
+              "draft forward": (flaky._draft_runner, "run")}[where]
+    real, calls = getattr(*target), []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the step after the prompts' (the group forked), or the first sampling
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    setattr(*target, failing_once)
+    for prompt_ids, sampling in zip([prompt, PROMPTS[2]], params):
+        flaky.add_request(prompt_ids, sampling)
+    done: list[Completion] = []
+    with pytest.raises(RuntimeError, match="out of memory"):
+        while flaky.has_unfinished():
+            done.extend(flaky.step())
+    while flaky.has_unfinished():
+        done.extend(flaky.step())
+    assert_same_completions(sorted(done, key=lambda c: (c.request_id, c.sample_index)), expected)
+    assert flaky.block_manager.num_free_blocks == flaky.block_manager.num_blocks
+    probe = prompt + expected[0].token_ids[:3]  # its blocks are in the cache now
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    assert flaky.generate([probe], greedy)[0].token_ids == engine().generate([probe], greedy)[0].token_ids
+
+
 def test_a_request_whose_kv_fills_the_pool_exactly_is_served(qwen2_path):
     # 12 prompt tokens + 5 new: the last new token is sampled, never run, so the KV of 16 tokens
     # fills 4 blocks of 4 exactly; one more new token would not fit.

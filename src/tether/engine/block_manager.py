@@ -146,8 +146,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
-                if block.hash is None:
-                    self._free.move_to_end(block_id, last=False)  # nothing cached: reuse first
+                if self._hash_to_block.get(block.hash) != block_id:  # not in the cache (a twin's
+                    self._free.move_to_end(block_id, last=False)  # hash is the other's): reuse first
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.is_kv_stale = False  # whatever it recomputes uses the current weights

@@ -192,9 +192,23 @@ class LLMEngine:
             done.extend(self._scrub_nonfinite_kv())
         except BaseException:  # completions already finished are not lost with the step
             self._done = done + self._done
+            self._recover_from_failed_step()
             raise
         self.stats.num_steps += 1
         return done
+
+    def _recover_from_failed_step(self) -> None:
+        """A step that raised (out of memory, an interrupt, a failing tokenizer) may have stopped
+        anywhere: tokens marked computed with nothing sampled, copy-on-write copies taken from the
+        block manager and never made, a draft's KV counted before its forward. Every running sequence
+        is preempted, to recompute its KV from its tokens when next scheduled, which is right wherever
+        the step stopped; the caller may step on. Blocks this step wrote were never offered to the
+        prefix cache (that happens after the forward), so none of it serves a later prompt."""
+        for runner in (self.runner, self._draft_runner):
+            if runner is not None:
+                runner.decode_kv.clear()  # copies of KV that the recompute writes again
+        self.scheduler.remove_finished()
+        self.stats.num_preemptions += self.scheduler.preempt_all()
 
     def _propose(self, out: SchedulerOutput) -> dict[int, Proposal]:
         """Draft tokens for the scheduled items that sample, by seq_id (non-empty only): up to their
