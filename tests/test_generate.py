@@ -222,6 +222,10 @@ def test_output_to_dev_stdout_and_through_a_symlink(model_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     assert link.is_symlink() and json.loads(target.read_text().splitlines()[0])["prompt_index"] == 0
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")) == []
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "missing" / "out.jsonl")  # a link makes no directories
+    result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--output", str(dangling)], tmp_path)
+    assert result.returncode == 2 and "target directory" in result.stderr and not (tmp_path / "missing").exists()
 
 
 def test_device_cuda_loads_the_model_there(model_dir, tmp_path, monkeypatch):

@@ -188,6 +188,8 @@ def _check_writable(out: Path, path: Path, is_regular: bool) -> None:
             if not os.access(path, os.W_OK):
                 raise PermissionError(13, "Permission denied")
             return
+        if out.is_symlink() and not path.parent.is_dir():  # a dangling link makes no directories
+            raise FileNotFoundError(2, f"the link's target directory {path.parent} does not exist")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
         path.unlink()
