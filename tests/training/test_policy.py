@@ -145,12 +145,12 @@ def test_decoupled_ppo_behaviour_weight_under_each_correction(model_dir, correct
     torch.testing.assert_close(grads, expected_weight * reference, rtol=1e-3, atol=1e-6)
 
 
-def _train(model, batch, **settings):
+def _train(model, batch, sampling=None, **settings):
     model = copy.deepcopy(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3)
     scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=10, schedule="constant")
     trainer = PolicyTrainer(model, optimizer, scheduler, PolicyLossSettings(grad_clip=0.0, **settings),
-                            SamplingView(1.0))
+                            sampling or SamplingView(1.0))
     metrics = trainer.train_on(batch)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), metrics
 
@@ -206,6 +206,19 @@ def test_ppo_metrics_under_masked_is_do_not_depend_on_micro_batches(model_dir):
     _, whole = _train(model, batch, micro_batch_tokens=10_000, **settings)
     _, split = _train(model, batch, micro_batch_tokens=1, **settings)  # a row per micro-batch
     assert 0 < whole["is/masked_frac"] < 1
+    for key in ("ppo/clip_frac", "ppo/ratio_mean", "ppo/approx_kl"):
+        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+
+
+def test_ppo_metrics_with_tokens_outside_top_k_do_not_depend_on_micro_batches(model_dir):
+    """A token outside the trainer's top-k set has no ratio and is left out of ppo/*: a micro-batch of
+    such tokens reports its means over none of them, and weighs nothing in the batch's."""
+    model = load_model(model_dir)
+    batch = _batch(model)
+    settings = {"epochs_per_batch": 2, "sampling": SamplingView(1.0, 5, 1.0)}
+    _, whole = _train(model, batch, micro_batch_tokens=10_000, **settings)
+    _, split = _train(model, batch, micro_batch_tokens=12, **settings)
+    assert 0 < whole["mismatch/outside_support_frac"] < 1
     for key in ("ppo/clip_frac", "ppo/ratio_mean", "ppo/approx_kl"):
         assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
 

@@ -29,6 +29,7 @@ class PolicyLossStats:
     approx_kl: torch.Tensor  # k3 estimate of KL(pi_old || pi): mean of (r - 1) - log r
     ratio_mean: torch.Tensor  # mean of r = pi / pi_old
     behav_weight_mean: torch.Tensor  # mean importance weight applied on top (1 when none)
+    num_tokens: torch.Tensor  # the tokens these are means over: in the mask, both log-probs finite
 
 
 class PolicyLossFn(Protocol):
@@ -80,6 +81,7 @@ def _clipped_surrogate(
             approx_kl=_masked_mean(ratio - 1.0 - log_ratio, mask),
             ratio_mean=_masked_mean(ratio, mask),
             behav_weight_mean=_masked_mean(weights.expand_as(ratio), mask),
+            num_tokens=mask.sum(),
         )
     return loss, stats
 

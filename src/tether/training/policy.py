@@ -236,7 +236,9 @@ class PolicyTrainer:
         (w * loss_tokens).sum().backward()
         loss_tokens, kl_tokens = loss_tokens.detach(), kl_tokens.detach()
         num_tokens = float(mask.sum())
-        num_kept = float(keep.sum())  # ppo/* are means over the kept tokens (the policy loss's mask)
+        # ppo/* are means over the tokens the loss scored: kept, with finite log-probs under both
+        # policies (a token outside a top-k/top-p set has none); merged by that count.
+        num_kept = float(stats.num_tokens)
         # Mismatch is trainer vs engine: the pre-update trainer weights, whatever the proximal mode
         # (``_mismatch`` reads epoch 0's, when the current weights are the pre-update ones).
         logp_trainer = logp_old if self.proximal.is_pre_update else logp
@@ -279,8 +281,9 @@ def _with_max_len(agg_fn: Callable[..., torch.Tensor], max_len: int | None) -> C
 def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
     """Token-weighted mean of micro-batch metrics; ``loss/policy`` adds up (weights are global).
 
-    ``ppo/*`` are means over each micro-batch's kept tokens (a correction may drop some), so they
-    are weighted by kept tokens; the others by valid tokens."""
+    ``ppo/*`` are means over the tokens each micro-batch's loss scored (kept by the correction, with
+    finite log-probs: ``PolicyLossStats.num_tokens``), so they are weighted by those; the others by
+    valid tokens."""
     counts = {"_tokens": sum(p["_tokens"] for p in parts) or 1.0, "_kept": sum(p["_kept"] for p in parts) or 1.0}
     merged: dict[str, float] = {}
     for key in parts[0]:
