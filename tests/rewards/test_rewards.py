@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import textwrap
 from pathlib import Path
@@ -184,6 +185,7 @@ class _FloatRaises(float):
 @pytest.mark.parametrize(("bad_value", "fragment"), [
     (ValueError("cannot parse"), "ValueError: cannot parse"),
     (SystemExit(3), "SystemExit: 3"),  # model-written code run by a code reward calls exit()
+    (asyncio.CancelledError("judge call cancelled"), "CancelledError: judge call cancelled"),  # an async judge
     (None, "returned None"),
     (float("nan"), "returned nan"),
     (float("inf"), "returned inf"),
@@ -208,6 +210,24 @@ def test_broken_function_is_counted_and_scores_zero(bad_value, fragment):
     assert metrics["reward/flaky/errors"] == 1.0
     assert metrics["reward/good/errors"] == 0.0
     assert metrics["reward/good/mean"] == 0.5
+
+
+def test_a_failed_call_of_a_sub_score_reward_adds_no_metric_name():
+    """A failure scores 0 in the function's sub-scores seen so far: the run's metric names are the
+    same in a batch with failures, one where every call fails, and one without."""
+    def judge(prompt, completion, **fields):
+        if completion == "fail":
+            raise RuntimeError("judge down")
+        return {"acc": 1.0, "fmt": 0.5}
+
+    computer = RewardComputer([WeightedReward("judge", judge)])
+    rows = [{}, {}]
+    clean = computer.score(PROMPTS[:2], ["a", "b"], rows).metrics()
+    mixed = computer.score(PROMPTS[:2], ["a", "fail"], rows)
+    failed = computer.score(PROMPTS[:2], ["fail", "fail"], rows).metrics()
+    assert mixed.components == {"judge/acc": [1.0, 0.0], "judge/fmt": [0.5, 0.0]}
+    assert set(clean) == set(mixed.metrics()) == set(failed)
+    assert failed["reward/judge/acc/mean"] == 0.0 and failed["reward/judge/errors"] == 2.0
 
 
 def test_a_result_whose_conversion_and_repr_raise_is_counted():

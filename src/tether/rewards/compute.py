@@ -1,7 +1,8 @@
 """The one call site for rewards: every score of a run is computed by ``RewardComputer.score``.
 
 A reward function that raises or returns garbage (not a number, NaN, a dict of non-numbers) never
-stops the run: that sample's score from that function is 0.0 and the failure is counted in
+stops the run: that sample's score from that function is 0.0 (0.0 in each of its sub-scores, the
+names it returned before: a failure adds no metric name) and the failure is counted in
 ``reward/errors`` and ``reward/<name>/errors``. (A later worker pool with timeouts replaces the
 in-process loop here; callers don't change.)
 """
@@ -64,6 +65,9 @@ class RewardComputer:
         if not rewards:
             raise ValueError("at least one reward function is required")
         self.rewards = list(rewards)
+        # Each function's component names seen so far (``""``: a plain score): a failed call scores 0
+        # in these, so metric names do not change with a batch's failures.
+        self._keys: dict[str, dict[str, None]] = {reward.name: {} for reward in self.rewards}
 
     def score(self, prompts: Sequence[str], completions: Sequence[str],
               fields: Sequence[dict[str, Any]]) -> RewardResult:
@@ -77,8 +81,8 @@ class RewardComputer:
                     result.num_errors[reward.name] += 1
                     result.first_error = result.first_error or f"{reward.name}: {error}"
                 for key, value in parts.items():
-                    name = reward.name if key == "" else f"{reward.name}/{key}"
-                    result.components.setdefault(name, [0.0] * num)[i] = value
+                    self._keys[reward.name].setdefault(key)
+                    result.components.setdefault(_component(reward.name, key), [0.0] * num)[i] = value
                 weighted = reward.weight * score
                 if not abs(weighted) <= MAX_ABS_REWARD:  # a large weight times a large score (a failed
                     result.num_errors[reward.name] += 1  # call scored 0, so it never gets here)
@@ -86,7 +90,13 @@ class RewardComputer:
                         f"{reward.name}: weight {reward.weight} x score {score} is beyond +-{MAX_ABS_REWARD:g}")
                     weighted = 0.0
                 result.totals[i] += weighted
+            for key in self._keys[reward.name] or {"": None}:  # failed samples: 0 in each
+                result.components.setdefault(_component(reward.name, key), [0.0] * num)
         return result
+
+
+def _component(reward_name: str, key: str) -> str:
+    return reward_name if key == "" else f"{reward_name}/{key}"
 
 
 def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
@@ -101,21 +111,24 @@ def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
             for key, item in value.items():
                 number = _as_number(item)
                 if number is None:
-                    return 0.0, {"": 0.0}, (f"sub-score {_repr(key)} is not a finite number within "
+                    return 0.0, {}, (f"sub-score {_repr(key)} is not a finite number within "
                                             f"+-{MAX_ABS_REWARD:g}: {_repr(item)}")
                 parts[str(key)] = number
             total = sum(parts.values())
             if not abs(total) <= MAX_ABS_REWARD:
-                return 0.0, {"": 0.0}, f"its sub-scores sum to {total:g}, beyond +-{MAX_ABS_REWARD:g}"
+                return 0.0, {}, f"its sub-scores sum to {total:g}, beyond +-{MAX_ABS_REWARD:g}"
             return total, parts, None
         number = _as_number(value)
         if number is None:
-            return 0.0, {"": 0.0}, f"returned {_repr(value)}, not a finite number within +-{MAX_ABS_REWARD:g}"
+            return 0.0, {}, f"returned {_repr(value)}, not a finite number within +-{MAX_ABS_REWARD:g}"
         return number, {"": number}, None
-    # User code: any failure is counted, never raised. SystemExit too: a code-execution reward runs
-    # model-written code, which may call exit(). Only KeyboardInterrupt (the user) goes through.
-    except (Exception, SystemExit) as exc:
-        return 0.0, {"": 0.0}, f"{type(exc).__name__}: {_str(exc)}"
+    # User code: any failure is counted, never raised. SystemExit too (a code-execution reward runs
+    # model-written code, which may call exit()), and CancelledError (an async judge's call). Only
+    # KeyboardInterrupt (the user) goes through.
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return 0.0, {}, f"{type(exc).__name__}: {_str(exc)}"
 
 
 def _repr(value: Any) -> str:

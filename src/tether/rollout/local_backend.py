@@ -223,8 +223,10 @@ def run_generator_process(make_worker: Callable[[], GeneratorWorker], weights: S
         results.put(("ready", None, None))
         if not wait_for_handover or _wait_for_handover(worker, control, stop, trainer):
             _generate(worker, weights, control, results, stop, trainer)
-    except Exception:  # reported to the trainer, which raises it; the process then exits
-        results.put(("error", traceback.format_exc(), None))
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the trainer handles it
+        raise
+    except BaseException:  # anything else (SystemExit, CancelledError from user code) is reported to
+        results.put(("error", traceback.format_exc(), None))  # the trainer, which raises it; then exit
         return False
     # Stopped: groups still queued will never be read. Without this the exit waits for the
     # queue's feeder thread to push them through a full pipe, and ``close`` ran into its 10 s
