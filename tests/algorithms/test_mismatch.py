@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from tether.algorithms.mismatch import mismatch_metrics, staleness_metrics
+from tether.algorithms.mismatch import lag0_mismatch_metrics, mismatch_metrics, staleness_metrics
 
 # Log ratio d = logp_trainer - logp_engine on valid tokens: [ln 2, ln 0.5, 0]; the last slot is padding.
 LOGP_TRAINER = torch.tensor([[math.log(2.0), math.log(0.5)], [-0.3, float("-inf")]])
@@ -51,6 +51,18 @@ def test_weights_and_keep_mask_from_a_correction():
     assert math.isclose(out["is/masked_frac"], 1 / 3, rel_tol=1e-6)
     # Mismatch itself is measured over all valid tokens, not only the kept ones.
     assert math.isclose(out["mismatch/k3"], 0.5 / 3, rel_tol=1e-5)
+
+
+def test_lag0_metrics_cover_the_tokens_of_the_trainers_version_only():
+    # Valid tokens have d = ln 2, ln 0.5, 0; only the second and third were sampled at lag 0.
+    is_lag0 = torch.tensor([[False, True], [True, True]])
+    out = lag0_mismatch_metrics(LOGP_TRAINER, LOGP_ENGINE, MASK, is_lag0)
+    ln2 = math.log(2)
+    assert math.isclose(out["mismatch/lag0_k1"], ln2 / 2, rel_tol=1e-6)  # mean(-d) over ln 0.5, 0
+    assert math.isclose(out["mismatch/lag0_k3"], (0.5 + ln2 - 1) / 2, rel_tol=1e-5)
+    assert math.isclose(out["mismatch/lag0_frac"], 2 / 3, rel_tol=1e-6)  # padding is not a token
+    none = lag0_mismatch_metrics(LOGP_TRAINER, LOGP_ENGINE, MASK, torch.zeros_like(MASK))
+    assert none == {"mismatch/lag0_k1": 0.0, "mismatch/lag0_k3": 0.0, "mismatch/lag0_frac": 0.0}
 
 
 def test_identical_logprobs_mean_no_mismatch():

@@ -74,6 +74,9 @@ def test_staleness_k_is_never_exceeded_and_is_reached_by_a_fast_generator(tiny_p
                 "is/mean", "is/ess", "is/clip_frac", "is/masked_frac", "policy_version"):
         assert key in history[-1], key
     assert history[-1]["mismatch/k3"] > 0  # stale samples: the trainer has moved on from the engine
+    # Tokens of the trainer's own version: the engine ran the same weights, only numerics differ.
+    assert all(m["mismatch/lag0_k3"] < 1e-6 for m in history)
+    assert [m["mismatch/lag0_frac"] > 0 for m in history] == [True, False, False, True, False, False]
 
 
 def test_oversampling_early_cut_keeps_every_prompt(tiny_policy):

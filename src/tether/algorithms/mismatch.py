@@ -12,7 +12,11 @@ Samples come from the engine (behaviour policy), so with log ratio d = logp_trai
 * ``is/masked_frac``: fraction of valid tokens the correction dropped;
 * ``mismatch/outside_support_frac``: fraction of valid tokens the trainer gives probability 0
   (outside its top-k/top-p set: stale samples, near-ties at the set's edge); the means above
-  leave them out, and so does the policy loss.
+  leave them out, and so does the policy loss;
+* ``mismatch/lag0_k1``, ``mismatch/lag0_k3``, ``mismatch/lag0_frac`` (``lag0_mismatch_metrics``):
+  k1 and k3 over the tokens sampled by the trainer's own pre-update version, and their fraction of
+  the valid tokens. With a lag the means above also hold the policy's drift since a token's
+  version; these hold the engine/trainer numerics alone (0 when no token has lag 0).
 
 All reductions stay on the device; the one host sync is the final ``.tolist()``.
 """
@@ -75,6 +79,22 @@ def mismatch_metrics(
             ]
         )
     return dict(zip(MISMATCH_KEYS, values.tolist()))  # the one host sync
+
+
+def lag0_mismatch_metrics(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor,
+                          is_lag0: torch.Tensor) -> dict[str, float]:
+    """``mismatch/lag0_k1``, ``mismatch/lag0_k3`` over the valid tokens with ``is_lag0`` (sampled by
+    the weights the trainer scored them with), and ``mismatch/lag0_frac``. All inputs [B, T]."""
+    with torch.no_grad():
+        fresh = mask & is_lag0
+        finite = fresh & torch.isfinite(logp_trainer) & torch.isfinite(logp_engine)
+        log_ratio = torch.where(finite, logp_trainer.float() - logp_engine.float(), 0.0)
+        values = torch.stack([
+            _masked_mean(-log_ratio, finite),
+            _masked_mean(torch.expm1(log_ratio) - log_ratio, finite),
+            fresh.sum() / mask.sum().clamp(min=1),
+        ]).tolist()
+    return dict(zip(("mismatch/lag0_k1", "mismatch/lag0_k3", "mismatch/lag0_frac"), values))
 
 
 def staleness_metrics(lags: torch.Tensor) -> dict[str, float | dict[int, int]]:

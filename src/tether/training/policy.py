@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tether.algorithms.corrections import Correction
-from tether.algorithms.mismatch import mismatch_metrics
+from tether.algorithms.mismatch import lag0_mismatch_metrics, mismatch_metrics
 from tether.algorithms.policy_loss import approx_proximal_logprobs
 from tether.algorithms.registry import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tether.training.batch import RolloutBatch, split_by_tokens
@@ -174,7 +174,7 @@ class PolicyTrainer:
             parts = [self._accumulate(batch, rows, weights, logp_old, logp_ref, version, epoch, correction)
                      for rows in chunks]
             if epoch == 0:  # the batch as sampled, against the trainer's pre-update weights
-                mismatch = self._mismatch(batch, chunks, [inputs for _, inputs in parts])
+                mismatch = self._mismatch(batch, chunks, [inputs for _, inputs in parts], version)
             grad_norm = clip_and_norm(self.model.parameters(), s.grad_clip)
             self.optimizer.step()
             self.num_optimizer_steps += 1
@@ -253,9 +253,12 @@ class PolicyTrainer:
         return {"_tokens": num_tokens, "_kept": num_kept, **out}, inputs
 
     def _mismatch(self, batch: RolloutBatch, chunks: list[list[int]],
-                  inputs: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]) -> dict[str, float]:
+                  inputs: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+                  version: int) -> dict[str, float]:
         """``mismatch/*`` and ``is/*`` over the whole batch at once: ESS and the kept-token means are
-        ratios of batch sums, which no average of micro-batch values reproduces."""
+        ratios of batch sums, which no average of micro-batch values reproduces. ``mismatch/lag0_*``:
+        over the tokens the trainer's pre-update version sampled, where engine and trainer ran the
+        same weights (in an asynchronous run the others add the policy's drift since their version)."""
         logp_trainer = torch.zeros_like(batch.behaviour_logprobs)  # [B, T]
         keep = torch.zeros_like(batch.mask)
         # One correction for the batch: its weights are None in every micro-batch or in none.
@@ -267,8 +270,10 @@ class PolicyTrainer:
                 is_weights[index] = weights.to(is_weights.dtype)
         # No correction weights: is/* describe the raw ratio pi_old / pi_behav (the weight decoupled
         # PPO applies; plain PPO applies none) and nothing counts as truncated.
-        return mismatch_metrics(logp_trainer, batch.behaviour_logprobs, batch.mask, is_weights=is_weights,
-                                keep_mask=keep, cap=None if is_weights is None else self.settings.correction_cap)
+        out = mismatch_metrics(logp_trainer, batch.behaviour_logprobs, batch.mask, is_weights=is_weights,
+                               keep_mask=keep, cap=None if is_weights is None else self.settings.correction_cap)
+        return {**out, **lag0_mismatch_metrics(logp_trainer, batch.behaviour_logprobs, batch.mask,
+                                               batch.versions == version)}
 
 
 def _with_max_len(agg_fn: Callable[..., torch.Tensor], max_len: int | None) -> Callable[..., torch.Tensor]:
