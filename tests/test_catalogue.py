@@ -50,6 +50,12 @@ BAD_CONFIGS = [
     pytest.param("- recipe: sft\n", [], "top level must be a mapping of keys, got list", id="top-level-list"),
     pytest.param("recipe: sft\n  seed: 1\n", [], "config.yaml:2:", id="invalid-yaml"),
     pytest.param("", ["trainer.lr"], "override 'trainer.lr': expected KEY=VALUE", id="override-no-equals"),
+    pytest.param("", ["data.eval=held_out.jsonl"], "data.eval='held_out.jsonl' is not read when "
+                 "data.task='arith' is set", id="eval-file-with-a-task"),
+    pytest.param("", ["trainer.eval_every=5"], "trainer.eval_every=5: the grpo recipe does not evaluate",
+                 id="grpo-eval-every"),
+    pytest.param("", ["rollout.group_size=1"], "config.yaml: rollout.group_size=1 does not suit "
+                 "algorithm.advantage='grpo': group_size must be >= 2", id="grpo-group-of-one"),
 ]
 
 # (loader, JSONL text, fragment); the file is always bad.jsonl

@@ -21,11 +21,11 @@ from tether.data.records import PromptRecord, SFTRecord
 from tether.data.tasks import Task, get_task
 from tether.engine.config import EngineConfig
 from tether.engine.engine import LLMEngine
-from tether.errors import ConfigError
+from tether.errors import ConfigError, DataError
 from tether.models.checkpoint import load_model
 from tether.models.config import ModelConfig
 from tether.models.decoder import Decoder
-from tether.models.tokenizer import build_char_tokenizer, load_tokenizer
+from tether.models.tokenizer import build_char_tokenizer, check_tokenizer_fits, load_tokenizer
 from tether.rewards import RewardComputer, WeightedReward, resolve_reward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,7 +89,9 @@ def build_model_and_tokenizer(section: ModelSection, init_from: str | None, seed
     path = init_from or section.path
     if path is not None:
         model = load_model(path, dtype=dtype)
-        return model, load_tokenizer(path)
+        tokenizer = load_tokenizer(path)
+        check_tokenizer_fits(tokenizer, model.config.vocab_size, path)
+        return model, tokenizer
     tokenizer = build_char_tokenizer()
     torch.manual_seed(seed)
     model = Decoder(ModelConfig.from_hf(scratch_hf_config(section.scratch, tokenizer), source="model.scratch"))
@@ -131,8 +133,8 @@ def build_prompt_data(section: DataSection, seed: int) -> PromptData:
                           task.prompts(section.num_eval, seed + 1, "test"), task)
     if section.train is None:
         raise ConfigError("data.train: required when data.task is null")
-    evaluation = load_prompts(section.eval, split=section.eval_split) if section.eval else []
-    return PromptData(load_prompts(section.train, split=section.train_split), evaluation, None)
+    evaluation = _load(load_prompts, section.eval, section.eval_split, "eval") if section.eval else []
+    return PromptData(_load(load_prompts, section.train, section.train_split, "train"), evaluation, None)
 
 
 def build_sft_data(section: DataSection, seed: int) -> tuple[list[SFTRecord], list[SFTRecord], Task | None]:
@@ -141,8 +143,18 @@ def build_sft_data(section: DataSection, seed: int) -> tuple[list[SFTRecord], li
         return task.sft(section.num_train, seed, "train"), task.sft(section.num_eval, seed + 1, "test"), task
     if section.train is None:
         raise ConfigError("data.train: required when data.task is null")
-    evaluation = load_sft(section.eval, split=section.eval_split) if section.eval else []
-    return load_sft(section.train, split=section.train_split), evaluation, None
+    evaluation = _load(load_sft, section.eval, section.eval_split, "eval") if section.eval else []
+    return _load(load_sft, section.train, section.train_split, "train"), evaluation, None
+
+
+def _load(loader: Any, source: str, split: str, role: str) -> list[Any]:
+    """``loader(source, split=split)``; a missing split names the setting that chose it."""
+    try:
+        return loader(source, split=split)
+    except DataError as error:
+        if f"no split '{split}'" in str(error):
+            raise DataError(f"{error} (data.{role}_split)") from None
+        raise
 
 
 def build_rewards(config: ExperimentConfig, task: Task | None) -> RewardComputer:

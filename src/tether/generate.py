@@ -34,7 +34,7 @@ from tether.engine.engine import LLMEngine
 from tether.engine.types import SamplingParams
 from tether.errors import CheckpointError, DataError, TetherError
 from tether.models.checkpoint import load_model, read_model_config
-from tether.models.tokenizer import encode_prompt, load_tokenizer
+from tether.models.tokenizer import check_tokenizer_fits, encode_prompt, load_tokenizer
 
 OVERRIDABLE = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
                "seed": int, "n": int}
@@ -127,6 +127,7 @@ def run_generate(args: argparse.Namespace) -> Path:
     model_config = read_model_config(args.model)  # a bad config.json is named as such, not as a tokenizer failure
     _check_flags(args, model_config.vocab_size)
     tokenizer = load_tokenizer(args.model)
+    check_tokenizer_fits(tokenizer, model_config.vocab_size, args.model)
     records = load_prompts(args.prompts)
     base = {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed,

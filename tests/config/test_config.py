@@ -285,7 +285,22 @@ def test_create_run_dir_never_overwrites_a_config_yaml_it_did_not_write(tmp_path
         create_run_dir(config, out=tmp_path)
     assert mine.read_text() == "# my experiment\nname: exp\n"
     run_dir = create_run_dir(config, out=tmp_path / "run")  # a run that failed before its first step:
+    (run_dir / "metrics.jsonl").write_text("")
     assert create_run_dir(config, out=run_dir) == run_dir  # its own config.yaml may be rewritten
+
+
+def test_create_run_dir_refuses_a_directory_with_other_files(tmp_path):
+    """--out pointing at a directory that holds anything else (a checkpoint, notes) is refused: a
+    run would write over its files (final/model.safetensors)."""
+    config = load_config(None, ["name=exp"])
+    busy = tmp_path / "busy"
+    (busy / "final").mkdir(parents=True)
+    (busy / "notes.txt").write_text("mine\n")
+    with pytest.raises(ConfigError, match=r"run directory .*busy is not empty \(holds 'final' and 1 more\)"):
+        create_run_dir(config, out=busy)
+    assert sorted(p.name for p in busy.iterdir()) == ["final", "notes.txt"]
+    with pytest.raises(ConfigError, match="is a file"):
+        create_run_dir(config, out=busy / "notes.txt")
 
 
 def test_a_temperature_too_small_to_divide_the_logits_by_is_rejected():

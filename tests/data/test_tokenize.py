@@ -79,7 +79,7 @@ def test_long_completion_is_cut_on_the_right_without_eos(char_tokenizer):
 
 
 def test_prompt_longer_than_max_len_is_a_data_error(char_tokenizer):
-    with pytest.raises(DataError, match=r"^example 3: prompt is 11 tokens, .*max_len=10$"):
+    with pytest.raises(DataError, match=r"^example 3: prompt is 11 tokens, .*max_len=10 \(data.max_seq_len\)$"):
         tokenize_sft(SFTRecord("0123456789", "x", index=3), char_tokenizer, max_len=10)
 
 

@@ -45,6 +45,11 @@ def test_builtin_exact_match():
     assert exact_match("2+2=", "4", answer=4) == 1.0  # a numeric answer column still compares as text
     result = score(WeightedReward("exact_match", exact_match))
     assert result.totals == [1.0, 1.0, 0.0]
+    # A row without an answer (no column, a null in a table) is counted, not scored a silent 0.
+    rows = [{"answer": "4"}, {}, {"answer": None}]
+    result = RewardComputer([WeightedReward("exact_match", exact_match)]).score(PROMPTS, ["4", "4", "4"], rows)
+    assert result.totals == [1.0, 0.0, 0.0] and result.num_errors == {"exact_match": 2}
+    assert "has no 'answer' field" in result.first_error
 
 
 def test_extra_builtins_take_a_name():

@@ -8,7 +8,7 @@ import json
 import pytest
 from rollout_helpers import tiny_config
 
-from tether.errors import DataError, RequestError
+from tether.errors import ConfigError, DataError, RequestError
 from tether.recipes.grpo import build_generator_worker, rl_prompt_data, run_grpo
 
 SHORT = ["12+3=", "4+5=", "7+1=", "2+2=", "9+9="]
@@ -42,6 +42,14 @@ def test_no_prompt_that_fits_is_a_one_line_data_error(tmp_path, tiny_policy):
     config = _config(_prompts_file(tmp_path, ["1" * 100]))
     with pytest.raises(DataError, match="none of the 1 training prompts leaves room"):
         run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
+
+
+def test_a_completion_budget_as_long_as_the_context_is_a_config_error(tmp_path, tiny_policy):
+    model, tokenizer = tiny_policy  # max_position_embeddings = 64: every sample would be cut short
+    config = _config(_prompts_file(tmp_path, SHORT), "rollout.max_new_tokens=500")
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens=500 leaves no room for a prompt in the "
+                                          "engine's context of 64 tokens"):
+        rl_prompt_data(config, model, tokenizer)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async_worker"])

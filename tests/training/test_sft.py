@@ -51,3 +51,30 @@ def test_sft_recipe_trains_on_the_configured_threads_and_restores_them(tmp_path,
         assert seen == [wanted, wanted] and torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+
+
+def test_examples_longer_than_the_models_context_are_cut_there_with_one_warning(tmp_path, capsys, monkeypatch):
+    """data.max_seq_len above the model's max_position_embeddings: the long examples are cut at the
+    context (a position past it is never trained) and one warning says how many."""
+    import json
+
+    from tether.config import load_config
+    from tether.recipes.sft import run_sft
+    from tether.training.sft import SFTTrainer
+
+    data = tmp_path / "sft.jsonl"
+    rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "3+4=", "completion": "7" * 60}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lengths = []
+    train_step = SFTTrainer.train_step
+    monkeypatch.setattr(SFTTrainer, "train_step", lambda self, examples: lengths.extend(
+        len(e.input_ids) for e in examples) or train_step(self, examples))
+    config = load_config(None, [
+        "recipe=sft", "data.task=null", f"data.train={data}", "data.max_seq_len=256",
+        "model.scratch.hidden_size=32", "model.scratch.intermediate_size=64", "model.scratch.num_layers=1",
+        "model.scratch.max_position_embeddings=32", "trainer.max_steps=1", "trainer.batch_size=2",
+        "logging.progress=none"])
+    run_sft(config, tmp_path / "run")
+    assert max(lengths) == 32 and min(lengths) < 32
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "1 of 2 examples are longer than the model's context of 32 tokens" in warnings[0]

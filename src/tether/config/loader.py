@@ -144,7 +144,9 @@ def describe_error(err: dict[str, Any]) -> str:
     if kind in _EXPECTED:
         return f"{key}: expected {_EXPECTED[kind]}, got {_short(given)}"
     message = err["msg"].removeprefix("Value error, ")
-    return f"{key or 'config'}: {message}, got {_short(given)}"
+    if not key:  # a check across sections names its keys itself; the input is the whole config
+        return message
+    return f"{key}: {message}, got {_short(given)}"
 
 
 _UNION_TAGS = ("int", "float", "str", "bool")

@@ -239,7 +239,7 @@ class TrainerSection(Section):
     share_prompts: bool = Field(True, description="RL: rows with the same prompt (a GRPO group) share "
                                 "one forward over it in the trainer; exact, and n times less prompt "
                                 "compute for groups of n.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end).")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end); the sft recipe.")
     num_threads: int = Field(0, ge=0, description="torch CPU threads (0: leave torch's default).")
 
 
@@ -272,3 +272,32 @@ class ExperimentConfig(Section):
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(fn="task")], min_length=1,
         description="Reward functions summed with weights; `task` is the built-in task's own checker.")
+
+    @model_validator(mode="after")
+    def _group_size_fits_the_advantage(self) -> ExperimentConfig:
+        """Estimators with a group baseline need G >= 2 (GRPO's std, RLOO's leave-one-out): asked of
+        the estimator itself, on a group of zeros, so a new registry entry brings its own rule."""
+        if self.recipe != "grpo":
+            return self
+        import torch
+
+        from tether.errors import ConfigError
+
+        size = self.rollout.group_size
+        try:
+            ADVANTAGES.get(self.algorithm.advantage)(torch.zeros(size), size)
+        except ConfigError as error:
+            raise ValueError(f"rollout.group_size={size} does not suit algorithm.advantage="
+                             f"{self.algorithm.advantage!r}: {error}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _held_out_settings_are_read(self) -> ExperimentConfig:
+        """Settings that would be silently ignored are refused, naming the one that is read instead."""
+        if self.data.task is not None and self.data.eval is not None:
+            raise ValueError(f"data.eval={self.data.eval!r} is not read when data.task={self.data.task!r} is set "
+                             "(the task draws its own held-out set: data.num_eval); set one of them")
+        if self.recipe == "grpo" and self.trainer.eval_every > 0:
+            raise ValueError(f"trainer.eval_every={self.trainer.eval_every}: the grpo recipe does not evaluate "
+                             "during training (the sft recipe does); leave it 0")
+        return self

@@ -102,16 +102,16 @@ def _sft_from_row(row: dict[str, Any], where: str, index: int) -> SFTRecord:
         if isinstance(messages, str):
             raise DataError(f"{where}: field 'messages' must be a list of chat messages, got str")
         prompt, completion = split_conversation(messages, where, "messages")
-        return SFTRecord(prompt=prompt, completion=completion, index=index)
+        return SFTRecord(prompt=prompt, completion=completion, index=index, where=where)
     if "text" in row and "prompt" not in row:
         text = check_text(row["text"], where, "text")
         if not isinstance(text, str):
             raise DataError(f"{where}: field 'text' must be a string, got list")
-        return SFTRecord(prompt=text, completion=None, index=index)
+        return SFTRecord(prompt=text, completion=None, index=index, where=where)
     hint = " (SFT rows need 'prompt' and 'completion', or 'messages', or 'text')"
     prompt = check_text(_require(row, "prompt", where, hint), where, "prompt")
     completion = check_reply(_require(row, "completion", where, hint), prompt, where, "completion")
-    return SFTRecord(prompt=prompt, completion=completion, index=index)
+    return SFTRecord(prompt=prompt, completion=completion, index=index, where=where)
 
 
 def _preference_from_row(row: dict[str, Any], where: str, index: int) -> PreferenceRecord:

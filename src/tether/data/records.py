@@ -44,6 +44,7 @@ class SFTRecord:
     prompt: Text
     completion: Text | None
     index: int = 0
+    where: str = field(default="", compare=False)  # where the row was read ("file.jsonl:4"), for errors
 
     @property
     def is_chat(self) -> bool:

@@ -124,7 +124,7 @@ class _ProblemTask:
         return [PreferenceRecord(p.prompt, p.answer, p.wrong_answer, i) for i, p in enumerate(problems)]
 
     def is_correct(self, completion: str, **fields: Any) -> bool:
-        if "answer" not in fields:
+        if fields.get("answer") is None:  # absent, or null in a table's row
             raise DataError(f"task '{self.name}' scores against an 'answer' field; the record has none")
         return self._matches(completion, str(fields["answer"]))
 

@@ -87,6 +87,11 @@ def tokenize_prompt(record: HasPrompt, tokenizer: Tokenizer) -> list[int]:
     return _encode(tokenizer, _render_chat(tokenizer, record.prompt, add_generation_prompt=True))
 
 
+def _where(record: SFTRecord) -> str:
+    """Where a record was read (``file.jsonl:4``), else its 0-based index in its dataset."""
+    return record.where or f"example {record.index}"
+
+
 def tokenize_sft(record: SFTRecord, tokenizer: Tokenizer, max_len: int) -> SFTExample:
     """Token ids and loss mask for one SFT record; see the module docstring for the conventions."""
     if max_len < 2:
@@ -94,15 +99,15 @@ def tokenize_sft(record: SFTRecord, tokenizer: Tokenizer, max_len: int) -> SFTEx
     eos = _eos_id(tokenizer)
     if record.completion is None:
         if not isinstance(record.prompt, str):
-            raise DataError(f"example {record.index}: a record without completion must be plain text")
+            raise DataError(f"{_where(record)}: a record without completion must be plain text")
         ids = (tokenize_prompt(record, tokenizer) + [eos])[:max_len]
         return SFTExample(ids, [False] + [True] * (len(ids) - 1), record.index)
     prompt_ids = tokenize_prompt(record, tokenizer)
     completion_ids = _completion_ids(record, tokenizer, eos, prompt_ids)
     if len(prompt_ids) >= max_len:
         raise DataError(
-            f"example {record.index}: prompt is {len(prompt_ids)} tokens, "
-            f"leaving no room for the completion within max_len={max_len}"
+            f"{_where(record)}: prompt is {len(prompt_ids)} tokens, "
+            f"leaving no room for the completion within max_len={max_len} (data.max_seq_len)"
         )
     completion_ids = completion_ids[: max_len - len(prompt_ids)]
     loss_mask = [False] * len(prompt_ids) + [True] * len(completion_ids)

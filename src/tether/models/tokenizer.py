@@ -88,6 +88,15 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise CheckpointError(f"{directory}: cannot load tokenizer ({reason})") from None
 
 
+def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, vocab_size: int, where: str | Path) -> None:
+    """The tokenizer's ids (added tokens included) must index the model's embedding: one that makes
+    an id past ``vocab_size`` would fail deep in a forward, or in the engine, prompt by prompt."""
+    num_tokens = len(tokenizer)
+    if num_tokens > vocab_size:
+        raise CheckpointError(f"{where}: the tokenizer has {num_tokens} tokens but config.json's vocab_size is "
+                              f"{vocab_size}: ids {vocab_size}-{num_tokens - 1} have no embedding")
+
+
 def _saved_class(directory: Path) -> str | None:
     """``tokenizer_class`` of the directory's tokenizer_config.json, or None (absent, unreadable)."""
     try:

@@ -36,7 +36,7 @@ from tether.data.tokenize import tokenize_prompt
 from tether.engine.config import EngineConfig
 from tether.engine.requests import resolve_max_model_len
 from tether.engine.types import SamplingParams
-from tether.errors import DataError
+from tether.errors import ConfigError, DataError, TetherError
 from tether.metrics import MetricsWriter
 from tether.models.checkpoint import save_model
 from tether.progress import make_progress
@@ -126,11 +126,19 @@ def rl_prompt_data(config: ExperimentConfig, model: Any, tokenizer: Any) -> tupl
     once tokenized, or as long as the engine's context): (the data, the prompts skipped). verl's
     ``filter_overlong_prompts`` does the same; the engine would fail each of them, every epoch."""
     context = engine_context_len(config, model)
+    if config.rollout.max_new_tokens >= context:  # every sample would be cut short, silently
+        raise ConfigError(f"rollout.max_new_tokens={config.rollout.max_new_tokens} leaves no room for a prompt in "
+                          f"the engine's context of {context} tokens (engine.max_model_len, else the model's "
+                          "max_position_embeddings)")
     data = build_prompt_data(config.data, config.seed)
     kept: list[PromptRecord] = []
     skipped: list[PromptRecord] = []
     for record in data.train:
-        num_tokens = len(tokenize_prompt(record, tokenizer))
+        try:
+            num_tokens = len(tokenize_prompt(record, tokenizer))
+        except TetherError as error:  # e.g. chat prompts for a tokenizer without a chat template
+            where = record.where or f"{_train_source(config)}: record {record.index}"
+            raise DataError(f"{where}: {error}") from None
         (kept if 0 < num_tokens < context else skipped).append(record)
     if not kept:
         raise DataError(f"{_train_source(config)}: none of the {len(data.train)} training prompts leaves room for "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,24 @@ def _tokenize_all(records: list[Any], tokenizer: Any, max_len: int, source: str 
     """Tokenized examples; a record that cannot be is a one-line error naming its source."""
     try:
         return [tokenize_sft(r, tokenizer, max_len) for r in records]
-    except DataError as exc:
-        raise DataError(f"{source}: {exc}" if source else str(exc)) from None
+    except DataError as exc:  # a row read from a file names it already ("file.jsonl:4: ...")
+        message = str(exc)
+        is_placed = not source or message.startswith(str(source))
+        raise DataError(message if is_placed else f"{source}: {message}") from None
+
+
+def _fit_context(records: list[Any], tokenizer: Any, max_len: int, context: int,
+                 source: str | None) -> list[SFTExample]:
+    """Examples cut at ``max_len`` (data.max_seq_len) and at the model's context, with one warning
+    when the context cut any (a position past it was never trained, and may not work)."""
+    examples = _tokenize_all(records, tokenizer, max_len, source)
+    num_long = sum(1 for e in examples if len(e.input_ids) > context)
+    if not num_long:
+        return examples
+    print(f"warning: {source}: {num_long} of {len(examples)} examples are longer than the model's context of "
+          f"{context} tokens (max_position_embeddings; data.max_seq_len={max_len}): cut at {context}",
+          file=sys.stderr, flush=True)
+    return _tokenize_all(records, tokenizer, min(max_len, context), source)
 
 
 def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenizer: Any = None) -> SFTResult:
@@ -40,9 +57,11 @@ def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenize
     if model is None:
         model, tokenizer = build_model_and_tokenizer(config.model, config.init_from, config.seed)
     train_records, eval_records, _ = build_sft_data(config.data, config.seed)
-    max_len = config.data.max_seq_len
-    train = _tokenize_all(train_records, tokenizer, max_len, config.data.task or config.data.train)
-    held_out = _tokenize_all(eval_records, tokenizer, max_len, config.data.task or config.data.eval)
+    context = model.config.max_position_embeddings
+    train = _fit_context(train_records, tokenizer, config.data.max_seq_len, context,
+                         config.data.task or config.data.train)
+    held_out = _fit_context(eval_records, tokenizer, config.data.max_seq_len, context,
+                            config.data.task or config.data.eval)
     t = config.trainer
     optimizer = build_optimizer(model.parameters(), t.lr, t.weight_decay, t.betas)
     scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, max_steps=t.max_steps,

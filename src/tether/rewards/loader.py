@@ -18,12 +18,15 @@ from tether.errors import ConfigError
 RewardFn = Callable[..., Any]
 
 
-def exact_match(prompt: str, completion: str, answer: str = "", **fields: Any) -> float:
-    """1.0 when the completion, stripped, equals the row's ``answer`` field.
+def exact_match(prompt: str, completion: str, answer: Any = None, **fields: Any) -> float:
+    """1.0 when the completion, stripped, equals the row's ``answer`` field. A row without an answer
+    (no such column, or null) is an error, counted in ``reward/errors``, not a silent 0.
 
     >>> exact_match("2+2=", " 4 ", answer="4")
     1.0
     """
+    if answer is None:
+        raise ValueError("the row has no 'answer' field (or it is null) to compare with")
     return float(answers_match(completion, str(answer)))
 
 
@@ -50,7 +53,8 @@ def _import(module_name: str, spec: str) -> Any:
     try:
         return importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # the user's module may fail in any way while importing
-        raise ConfigError(f"rewards: cannot import {module_name!r} ({spec}): {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"rewards: cannot import {module_name!r} ({spec}): {type(exc).__name__}: "
+                          f"{_one_line(exc)}") from None
 
 
 def _load_file(path_text: str, spec: str) -> Any:
@@ -64,5 +68,10 @@ def _load_file(path_text: str, spec: str) -> Any:
     try:
         module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # exit() at import time too
-        raise ConfigError(f"rewards: {path} failed to load: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"rewards: {path} failed to load: {type(exc).__name__}: {_one_line(exc)}") from None
     return module
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message as one line (a user's may span several)."""
+    return " ".join(str(exc).split())[:300]
