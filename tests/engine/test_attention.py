@@ -86,3 +86,32 @@ def test_split_by_length_groups_short_and_long_rows():
     assert sorted(map(sorted, groups)) == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
     even = [SeqSpan(50, 1, []) for _ in range(10)]
     assert _split_by_length(list(range(10)), even, num_splits=2) == [list(range(10))]
+
+
+@pytest.mark.parametrize("num_queries", [5, 80])  # the G query heads along the query axis; K and V repeated
+def test_prefill_attention_on_cuda_matches_the_gqa_call_without_enable_gqa(num_queries):
+    """On CUDA a masked SDPA call with enable_gqa runs the math path (K and V in fp32 per head, ~20x the
+    memory): the engine folds the query heads into the query axis or repeats K and V per head instead,
+    with the same result as the CPU's GQA call."""
+    from helpers.fake_cuda import FakeCuda
+    from tether.engine.attention import AttentionGroup, _attend_prefill
+
+    gen = torch.Generator().manual_seed(0)
+    num_rows, num_heads, num_kv_heads, head_dim, num_keys = 3, 6, 2, 16, 96
+    q = torch.randn(num_rows * num_queries, num_heads, head_dim, generator=gen)
+    keys = torch.randn(num_rows, num_kv_heads, num_keys, head_dim, generator=gen)
+    values = torch.randn(num_rows, num_kv_heads, num_keys, head_dim, generator=gen)
+    lengths = torch.tensor([88, 96, 90])[:, None, None]  # each row's context; its queries are the last
+    positions = lengths - num_queries + torch.arange(num_queries)[None, :, None]  # [S, Tq, 1]
+    is_visible = torch.arange(num_keys)[None, None, :] <= positions  # [S, Tq, Lk]
+    mask = torch.zeros(is_visible.shape).masked_fill_(~is_visible, float("-inf")).unsqueeze(1)  # [S, 1, Tq, Lk]
+    group = AttentionGroup.__new__(AttentionGroup)
+    group.query_index = torch.arange(num_rows * num_queries).view(num_rows, num_queries)
+    expected = _attend_prefill(q, keys, values, group, mask)  # the CPU's call, enable_gqa
+    fake = FakeCuda()
+    with fake:
+        on_gpu = [t.to("cuda") for t in (q, keys, values, mask)]
+        group.query_index = group.query_index.to("cuda")
+        out = _attend_prefill(on_gpu[0], on_gpu[1], on_gpu[2], group, on_gpu[3])
+    assert not fake.errors
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -7,9 +7,11 @@ where in tether it happened. Each case runs the engine through one feature on th
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from helpers.fake_cuda import FakeCuda, on_device
 from helpers.hf_tiny import make_hf_checkpoint
+from helpers.reference import full_forward_logprobs
 from tether.engine import EngineConfig, LLMEngine, SamplingParams
 from tether.models import load_model
 
@@ -93,6 +95,11 @@ def test_engine_keeps_its_tensors_on_the_model_device(paths, case):
     assert [c.finish_reason for c in first] == [c.finish_reason for c in last] != []
     greedy = [c.token_ids for c in first if c.prompt_index == 1]
     assert greedy == [c.token_ids for c in last if c.prompt_index == 1]  # the same weights again
+    if dtype == torch.float32:  # the GPU paths compute what a full forward does (SDPA decode, layered fills)
+        hf = AutoModelForCausalLM.from_pretrained(paths[family], attn_implementation="eager").float().eval()
+        for completion in first:
+            expected = full_forward_logprobs(hf, completion, MIXED[completion.prompt_index])
+            assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=0.0), case
 
 
 def test_the_tracer_sees_a_cpu_tensor_meet_a_device_one():

@@ -149,3 +149,27 @@ def test_padded_queries_keep_one_visible_key():
         [False, False, True, False],
         [False, False, True, True],
     ]
+
+
+def test_masked_gqa_attention_on_cuda_repeats_keys_and_values_with_the_same_result_and_gradients():
+    """CUDA's masked enable_gqa call would take the math path; the trainer repeats K and V per head."""
+    from helpers.fake_cuda import FakeCuda
+    from tether.models.attention import sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 7, 8, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 7, 8, generator=gen, requires_grad=True)
+    v = torch.randn(2, 2, 7, 8, generator=gen, requires_grad=True)
+    mask = torch.ones(7, 7, dtype=torch.bool).tril()[None, None].expand(2, 1, 7, 7)
+    expected = sdpa(q, k, v, mask)
+    expected.square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    fake = FakeCuda()
+    with fake:
+        leaves = [t.detach().to("cuda").requires_grad_() for t in (q, k, v)]
+        out = sdpa(*leaves, mask.to("cuda"))
+        out.square().sum().backward()
+    assert not fake.errors
+    torch.testing.assert_close(out.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
+    for leaf, grad in zip(leaves, grads):
+        torch.testing.assert_close(leaf.grad, grad, atol=1e-5, rtol=1e-5)

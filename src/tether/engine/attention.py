@@ -364,10 +364,21 @@ def _attend_queries_native(
 def _attend_prefill(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup, mask: torch.Tensor
 ) -> torch.Tensor:
-    num_rows, num_kv_heads, _, head_dim = keys.shape
+    num_rows, num_kv_heads, num_keys, head_dim = keys.shape
     queries = q[group.query_index].transpose(1, 2).to(keys.dtype)  # [S, Hq, Tq, D]
-    is_gqa = queries.shape[1] != num_kv_heads
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=mask, enable_gqa=is_gqa
-    )  # [S, Hq, Tq, D]
-    return out.transpose(1, 2).reshape(-1, out.shape[1], head_dim)  # [S * Tq, Hq, D]
+    num_heads, num_queries = queries.shape[1], queries.shape[2]
+    group_size = num_heads // num_kv_heads
+    if group_size == 1 or queries.device.type == "cpu":  # the CPU's SDPA takes GQA with a mask
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=group_size > 1)
+    # CUDA serves enable_gqa by flash attention (no mask) or the math path (K and V repeated in
+    # fp32 per head): a masked GQA call takes the memory-efficient kernel only without it. Either
+    # the G query heads of a KV head go along the query axis (the mask repeated G times: cheap for
+    # a short span, a verify or a small chunk) or K and V are repeated per query head (a long chunk).
+    elif mask.element_size() * num_queries < 2 * keys.element_size() * num_kv_heads * head_dim:
+        folded = queries.reshape(num_rows, num_kv_heads, group_size * num_queries, head_dim)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask.repeat(1, 1, group_size, 1))
+        out = out.view(num_rows, num_heads, num_queries, head_dim)
+    else:
+        out = F.scaled_dot_product_attention(queries, keys.repeat_interleave(group_size, dim=1),
+                                             values.repeat_interleave(group_size, dim=1), attn_mask=mask)
+    return out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [S * Tq, Hq, D]

@@ -335,7 +335,9 @@ class DecodeKV:
             copy_rows((self.k, self.v), moves)
 
     def _fill(self, fills: list[tuple[SeqSpan, int]], pool: KVCache, block_size: int) -> None:
-        """Copy each new row's computed context ``[0, start)`` out of the pool, all layers at once."""
+        """Copy each new row's computed context ``[0, start)`` out of the pool: all layers at once on
+        the CPU (fewer, larger copies), a layer at a time elsewhere, where a gather of every layer of
+        many rows at once would need memory the KV budget (pool and copies) does not count."""
         fills = [(span, slot) for span, slot in fills if span.start > 0]
         if not fills:
             return
@@ -346,16 +348,23 @@ class DecodeKV:
         width = num_blocks * block_size
         runs = _slot_runs([slot for _, slot in fills])
         rows = _layer_rows(pool.k, ids)  # [L * n * Nb] into the pool viewed [L * NB, ...]
+        num_layers = pool.k.shape[0]
+        step = num_layers if self.v.device.type == "cpu" else 1
+        rows_per_layer = len(fills) * num_blocks
         for (name, is_transposed), source in zip(self._copies(), (pool.k, pool.v)):
-            num_layers = source.shape[0]
             flat = source.view(num_layers * source.shape[1], *source.shape[2:])  # [L * NB, bs, Hkv, D]
-            gathered = flat.index_select(0, rows)  # [L * n * Nb, bs, Hkv, D]
-            gathered = gathered.view(num_layers, len(fills), width, *source.shape[3:]).transpose(2, 3)
-            if is_transposed:
-                gathered = gathered.transpose(3, 4)  # [L, n, Hkv, D, width]
             window = getattr(self, name).narrow(_tokens_dim(is_transposed), 0, width)
-            for first, start, length in runs:  # into slots in consecutive runs
-                window[:, first : first + length].copy_(gathered[:, start : start + length])
+            for first_layer in range(0, num_layers, step):
+                layers = min(step, num_layers - first_layer)
+                chunk = rows.narrow(0, first_layer * rows_per_layer, layers * rows_per_layer)
+                gathered = flat.index_select(0, chunk)  # [l * n * Nb, bs, Hkv, D]
+                gathered = gathered.view(layers, len(fills), width, *source.shape[3:]).transpose(2, 3)
+                if is_transposed:
+                    gathered = gathered.transpose(3, 4)  # [l, n, Hkv, D, width]
+                target = window.narrow(0, first_layer, layers)
+                for first, start, length in runs:  # into slots in consecutive runs
+                    target[:, first : first + length].copy_(gathered[:, start : start + length])
+                del gathered  # before the next gather: one chunk's transient at a time
 
 
 def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:

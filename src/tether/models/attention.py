@@ -48,10 +48,15 @@ def sdpa(
     is_causal: bool = False,
 ) -> torch.Tensor:
     """q ``[B, Hq, Tq, D]``, k/v ``[B, Hkv, Tk, D]``, mask bool ``[B, 1, Tq, Tk]`` (True = attend)
-    -> ``[B, Hq, Tq, D]``. Scale is SDPA's default 1/sqrt(D), as in all four families."""
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    -> ``[B, Hq, Tq, D]``. Scale is SDPA's default 1/sqrt(D), as in all four families.
+
+    On CUDA a masked call with ``enable_gqa`` takes the math path (K and V in fp32, per head); K and
+    V repeated per query head instead let the memory-efficient kernel serve it."""
+    is_gqa = q.shape[1] != k.shape[1]
+    if is_gqa and mask is not None and q.device.type != "cpu":
+        group_size = q.shape[1] // k.shape[1]
+        k, v, is_gqa = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=is_gqa)
 
 
 def _causal_mask(
