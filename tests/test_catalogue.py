@@ -54,6 +54,7 @@ BAD_CONFIGS = [
                  "data.task='arith' is set", id="eval-file-with-a-task"),
     pytest.param("", ["trainer.eval_every=5"], "trainer.eval_every=5: the grpo recipe does not evaluate",
                  id="grpo-eval-every"),
+    pytest.param("", ["name=../../elsewhere"], "name: must be a plain name (no '/'", id="name-with-a-path"),
     pytest.param("", ["rollout.group_size=1"], "config.yaml: rollout.group_size=1 does not suit "
                  "algorithm.advantage='grpo': group_size must be >= 2", id="grpo-group-of-one"),
 ]
@@ -209,3 +210,14 @@ def test_train_needs_data_train_without_a_task(tmp_path, recipe):
         run_train(str(tmp_path / "c.yaml"), [f"recipe={recipe}", "data.task=null", *TINY_MODEL],
                   out=str(tmp_path / "run"))
     assert "data.train: required when data.task is null" in message_of(error)
+
+
+def test_init_from_a_run_directory_points_at_its_checkpoint(tmp_path):
+    from helpers.hf_tiny import make_hf_checkpoint
+    from tether.builders import build_model_and_tokenizer
+
+    run_dir = tmp_path / "sft-run"
+    make_hf_checkpoint(run_dir / "final", "qwen2")
+    config = load_config(None, [f"init_from={run_dir}"])
+    with pytest.raises(ConfigError, match=r"is a run directory; its checkpoint is .*sft-run/final"):
+        build_model_and_tokenizer(config.model, config.init_from, config.seed)

@@ -10,6 +10,7 @@ import copy
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,9 @@ def scratch_hf_config(spec: ScratchModelConfig, tokenizer: Any) -> dict[str, Any
 def build_model_and_tokenizer(section: ModelSection, init_from: str | None, seed: int) -> tuple[Decoder, Any]:
     dtype = DTYPES[section.dtype]
     path = init_from or section.path
+    if init_from is not None and not (Path(init_from) / "config.json").is_file() \
+            and (Path(init_from) / "final" / "config.json").is_file():  # a run directory, not its checkpoint
+        raise ConfigError(f"init_from={init_from!r} is a run directory; its checkpoint is {Path(init_from) / 'final'}")
     if path is not None:
         model = load_model(path, dtype=dtype)
         tokenizer = load_tokenizer(path)

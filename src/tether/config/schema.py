@@ -273,6 +273,15 @@ class ExperimentConfig(Section):
         default_factory=lambda: [RewardSpec(fn="task")], min_length=1,
         description="Reward functions summed with weights; `task` is the built-in task's own checker.")
 
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_path_part(cls, name: str) -> str:
+        """The run directory is <run_root>/<name>-<time>: a name with a separator would put it elsewhere."""
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise ValueError("must be a plain name (no '/' or '\\'): it names the run directory inside "
+                             "logging.run_root")
+        return name
+
     @model_validator(mode="after")
     def _group_size_fits_the_advantage(self) -> ExperimentConfig:
         """Estimators with a group baseline need G >= 2 (GRPO's std, RLOO's leave-one-out): asked of
