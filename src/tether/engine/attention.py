@@ -194,20 +194,27 @@ def _build_group(
     # Padded queries repeat the row's last real token: a valid input whose output is dropped.
     query_index = offset[:, None] + torch.minimum(j[None, :], num_new[:, None] - 1)  # [S, Tq]
     q_pos = start[:, None] + j[None, :]  # [S, Tq] absolute positions (padding runs past the end)
-    is_real = j[None, :] < num_new[:, None]  # [S, Tq]
+    # The real queries' places, from the host's spans: boolean indexing on a GPU would wait for it.
+    out_select = None
+    if any(s.num_new != q_len for s in spans):
+        real = [row * q_len + i for row, s in enumerate(spans) for i in range(s.num_new)]
+        out_select = torch.tensor(real, dtype=torch.long, device=device)  # [M] into [S * Tq]
+    flat_index = query_index.view(-1)
     group = AttentionGroup(
         query_index=query_index,
         block_ids=block_ids,
         mask=None,
         window_mask=None,
-        out_index=query_index[is_real],
-        out_select=is_real.view(-1).nonzero().view(-1) if q_len > 1 and not bool(is_real.all()) else None,
+        out_index=flat_index if out_select is None else flat_index[out_select],
+        out_select=out_select,
         context_lens=start + num_new if q_len == 1 else None,
         window=window,
     )
     if q_len > 1 and is_query_at_a_time:  # the kernel takes each query's row and length, no mask
-        group.query_rows = torch.arange(len(spans), device=device)[:, None].expand(-1, q_len)[is_real]
-        group.query_lens = (q_pos + 1)[is_real]
+        rows = torch.arange(len(spans), device=device)[:, None].expand(-1, q_len).reshape(-1)
+        lens = (q_pos + 1).view(-1)
+        group.query_rows = rows if out_select is None else rows[out_select]
+        group.query_lens = lens if out_select is None else lens[out_select]
         return group
     k_pos = torch.arange(num_blocks * block_size, device=device)[None, None, :]  # [1, 1, Lk]
     q_pos = q_pos[:, :, None]  # [S, Tq, 1]
