@@ -153,7 +153,7 @@ class RolloutSection(Section):
     partial_rollouts: bool | None = Field(
         None, description="Weight updates reach sequences in flight, which continue under the new weights "
         "(each token stamped with its version). Off: updates wait until the groups in flight finish. "
-        "Empty: on when max_staleness > 0 or oversample > 0.")
+        "Empty: on when the staleness bound in force (0 in sync mode) or oversample is above 0.")
     oversample: int = Field(0, ge=0, description="Extra groups started beyond what a batch needs: a batch "
                             "closes on the fastest groups (early cut); the rest run on into the next batch "
                             "(async) or are aborted and their prompts re-issued first (sync).")

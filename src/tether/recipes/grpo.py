@@ -75,8 +75,10 @@ def resolved_policy_loss(config: ExperimentConfig) -> str:
 
 
 def is_partial_rollouts(config: ExperimentConfig) -> bool:
+    """``rollout.partial_rollouts``, by default on where samples may be stale: the bound in force
+    (``max_staleness``: 0 in sync mode, whatever ``rollout.max_staleness`` says) or oversampling."""
     r = config.rollout
-    return r.partial_rollouts if r.partial_rollouts is not None else (r.max_staleness > 0 or r.oversample > 0)
+    return r.partial_rollouts if r.partial_rollouts is not None else (max_staleness(config) > 0 or r.oversample > 0)
 
 
 def max_staleness(config: ExperimentConfig) -> int:
