@@ -5,7 +5,12 @@ hang off the same ``log`` call. Metric names are public interface; the ones a st
 
 ``step``, ``reward/mean``, ``reward/std``, ``loss/policy``, ``kl/ref``, ``entropy``, ``grad_norm``,
 ``response_length/mean``, ``time/step_s``, ``throughput/gen_tokens_per_s``,
-``throughput/train_tokens_per_s`` (plus ``lr``, ``reward/<fn>/mean``, ``reward/errors`` ...).
+``throughput/train_tokens_per_s``, ``throughput/step_tokens_per_s`` (plus ``lr``, ``reward/<fn>/mean``,
+``reward/errors`` ...).
+
+``throughput/step_tokens_per_s`` (completion tokens trained on over the step's time) means the same in
+both loops; ``throughput/gen_tokens_per_s`` is the generation phase's rate in the sync loop and, in the
+asynchronous one, where generation overlaps training in another process, equals the former.
 """
 
 from __future__ import annotations

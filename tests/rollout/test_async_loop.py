@@ -71,7 +71,8 @@ def test_staleness_k_is_never_exceeded_and_is_reached_by_a_fast_generator(tiny_p
     # the generator fills S + 1 batches at once, consumed with lags 0, 1, 2; then again
     assert [m["staleness/max"] for m in history] == [0, 1, 2, 0, 1, 2]
     for key in ("staleness/mean", "staleness/hist", "mismatch/k1", "mismatch/k3", "mismatch/abs_logp_diff",
-                "is/mean", "is/ess", "is/clip_frac", "is/masked_frac", "policy_version"):
+                "is/mean", "is/ess", "is/clip_frac", "is/masked_frac", "policy_version",
+                "throughput/step_tokens_per_s"):
         assert key in history[-1], key
     assert history[-1]["mismatch/k3"] > 0  # stale samples: the trainer has moved on from the engine
     # Tokens of the trainer's own version: the engine ran the same weights, only numerics differ.

@@ -128,12 +128,14 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
     c.generator.update_weights(c.trainer.model.named_parameters(), state.policy_version)  # weight sync
 
     num_gen_tokens = sum(comp.num_tokens for comp in completions)
+    step_s = time.perf_counter() - start
     lengths = torch.tensor([float(comp.num_tokens) for comp in completions])
     metrics: dict[str, Any] = {
         **scored.metrics(), **train_metrics, **staleness_metrics(lags),
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-        "time/gen_s": gen_s, "time/step_s": time.perf_counter() - start,
-        "throughput/gen_tokens_per_s": num_gen_tokens / max(gen_s, 1e-9),
+        "time/gen_s": gen_s, "time/step_s": step_s,
+        "throughput/gen_tokens_per_s": num_gen_tokens / max(gen_s, 1e-9),  # the generation phase's rate
+        "throughput/step_tokens_per_s": num_gen_tokens / max(step_s, 1e-9),  # the run's: as the async loop's
         "policy_version": state.policy_version, "rollout/num_failed": state.num_failed_groups,
     }
     samples = [{"prompt": rows[i].prompt, "completion": texts[i], "reward": scored.totals[i]}
