@@ -316,3 +316,20 @@ def test_engine_batch_invariant_is_true_false_or_auto(value, expected):
     for bad in ("maybe", "1"):
         assert "engine.batch_invariant: must be true, false or auto, got" in config_error(
             overrides=[f"engine.batch_invariant={bad}"])
+
+
+def test_a_run_directorys_config_names_local_files_by_absolute_path(tmp_path, monkeypatch):
+    """`tether train RUN/config.yaml` reruns the run from any directory: the relative paths of files
+    that exist are saved absolute; names that are no local path stay as written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "my_reward.py").write_text("def score(prompt, completion, **fields):\n    return 1.0\n")
+    config = load_config(None, ["data.train=data/train.jsonl", "data.eval=some/hub-name",
+                                "rewards=[{fn: my_reward.py:score}, {fn: exact_match}]"])
+    run_dir = create_run_dir(config, out=tmp_path / "run")
+    monkeypatch.chdir(run_dir)
+    saved = load_config(run_dir / "config.yaml")
+    assert saved.data.train == str(tmp_path / "data" / "train.jsonl")
+    assert saved.data.eval == "some/hub-name"
+    assert [r.fn for r in saved.rewards] == [f"{tmp_path / 'my_reward.py'}:score", "exact_match"]

@@ -191,9 +191,29 @@ def closest_key(loc: list[str]) -> str | None:
 def save_resolved(config: ExperimentConfig, run_dir: Path) -> Path:
     """Write the resolved config (every default filled in) into the run directory."""
     path = run_dir / "config.yaml"
-    data = json.loads(config.model_dump_json())
+    data = _with_absolute_paths(json.loads(config.model_dump_json()))
     path.write_text(RESOLVED_HEADER + yaml.dump(data, Dumper=_Dumper, sort_keys=False))
     return path
+
+
+def _with_absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
+    """The config's relative paths that exist here (checkpoints, data files, reward files) made
+    absolute, so that ``tether train RUN/config.yaml`` reruns the run from any directory. A name that
+    is no local path (a ``datasets`` hub name, a module) is left as written."""
+    def absolute(value: Any) -> Any:
+        if isinstance(value, str) and value and not Path(value).is_absolute() and Path(value).exists():
+            return str(Path(value).resolve())
+        return value
+
+    data["init_from"] = absolute(data.get("init_from"))
+    data["model"]["path"] = absolute(data["model"].get("path"))
+    for key in ("train", "eval"):
+        data["data"][key] = absolute(data["data"].get(key))
+    for reward in data.get("rewards", []):
+        target, sep, name = str(reward.get("fn", "")).rpartition(":")
+        if sep and target.endswith(".py"):
+            reward["fn"] = f"{absolute(target)}:{name}"
+    return data
 
 
 # The first line of every config.yaml tether writes: a run directory's own file, safe to rewrite.
