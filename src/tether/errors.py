@@ -26,3 +26,8 @@ class CheckpointError(TetherError):
 
 class RequestError(TetherError):
     """A generation request that cannot be served (too long, empty, out-of-vocabulary ids)."""
+
+
+class RolloutStalledError(TetherError, TimeoutError):
+    """The rollout side made no progress within its time limit (no group finished, weights not taken):
+    the generator is stuck, or a reward function it calls does not return."""

@@ -11,6 +11,7 @@ from rollout_helpers import tiny_config
 from tether.algorithms.registry import ADVANTAGES
 from tether.config import ExperimentConfig
 from tether.data.cursor import DataCursor
+from tether.errors import RolloutStalledError
 from tether.recipes.grpo import build_generator_worker, build_trainer
 from tether.rollout.async_loop import AsyncRLComponents, async_rl_step
 from tether.rollout.buffer import RolloutBuffer
@@ -112,7 +113,7 @@ def test_dynamic_sampling_without_any_signal_times_out_with_a_reason(tiny_policy
     config = tiny_config("rollout.mode=async", "rollout.dynamic_sampling=true", reward="constant")
     components, _ = in_process(config, tiny_policy, run_ahead=False)
     components.max_wait_s = 0.5
-    with pytest.raises(TimeoutError, match="filtered by dynamic sampling"):
+    with pytest.raises(RolloutStalledError, match="filtered by dynamic sampling"):
         run_steps(components, 1)
 
 

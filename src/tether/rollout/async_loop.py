@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tether.algorithms.mismatch import staleness_metrics
-from tether.errors import RequestError
+from tether.errors import RequestError, RolloutStalledError
 from tether.rewards.compute import RewardResult
 from tether.rollout.buffer import GroupRollout, RolloutBuffer
 from tether.rollout.local_backend import GeneratorTransport
@@ -73,10 +73,11 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
                                f"first failure of the run: {counters.first_failure}")
         if time.monotonic() - last_progress > c.max_wait_s:
             failed = f"; first failure: {counters.first_failure}" if counters.first_failure else ""
-            raise TimeoutError(
+            raise RolloutStalledError(
                 f"no rollout group finished in {c.max_wait_s:.0f}s (buffer holds {len(c.buffer)}, need "
                 f"{c.groups_per_batch}; {counters.num_filtered} groups filtered by dynamic sampling, "
-                f"{counters.num_failed} failed in the engine{failed})")
+                f"{counters.num_failed} failed in the engine{failed}); the generator is stuck, or a reward "
+                "function it calls does not return")
 
 
 def merge_scores(groups: list[GroupRollout]) -> RewardResult:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tether.errors import RolloutStalledError
+
 PUBLISHED, ACKED = 0, 1
 
 
@@ -81,8 +83,8 @@ class SharedWeights:
             if not is_reader_alive():
                 raise RuntimeError("the generator process died before acknowledging the weights")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the generator did not acknowledge weights {self.published_version} "
-                                   f"within {timeout_s:.0f}s")
+                raise RolloutStalledError(f"the generator did not acknowledge weights {self.published_version} "
+                                          f"within {timeout_s:.0f}s (stuck in a step or in a reward function)")
             time.sleep(0.001)
         tensors = dict(named_tensors)
         with torch.no_grad():
