@@ -109,12 +109,14 @@ def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_policy):
     assert history[-1]["rollout/num_filtered"] == components.transport.counters.num_filtered > 0
 
 
-def test_dynamic_sampling_without_any_signal_times_out_with_a_reason(tiny_policy):
+def test_dynamic_sampling_without_any_signal_stops_after_ten_batches_of_groups(tiny_policy):
+    """Not after max_wait_s: once ten batches' worth of groups were all filtered (verl's
+    max_num_gen_batches), the run stops and says why."""
     config = tiny_config("rollout.mode=async", "rollout.dynamic_sampling=true", reward="constant")
     components, _ = in_process(config, tiny_policy, run_ahead=False)
-    components.max_wait_s = 0.5
-    with pytest.raises(RolloutStalledError, match="filtered by dynamic sampling"):
+    with pytest.raises(RolloutStalledError, match=r"dynamic sampling filtered \d+ groups in a row"):
         run_steps(components, 1)
+    assert components.transport.counters.num_filtered >= 10 * components.groups_per_batch
 
 
 def test_sync_mode_with_oversampling_stays_on_policy(tiny_policy, tmp_path):

@@ -28,6 +28,9 @@ from tether.rollout.sync_loop import MAX_EMPTY_DRAWS, LoopState, build_rollout_b
 from tether.training.batch import RolloutBatch
 from tether.training.policy import PolicyTrainer
 
+# Batches' worth of groups that dynamic sampling may filter in a row before the run stops.
+MAX_FILTERED_DRAWS = 10
+
 
 @dataclass(slots=True)
 class AsyncRLComponents:
@@ -48,6 +51,7 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
     """
     last_progress = time.monotonic()
     failed_at_progress = c.transport.counters.num_failed  # failures before the last finished group
+    filtered_at_progress = c.transport.counters.num_filtered
     while True:
         take = c.buffer.take_batch(c.groups_per_batch, state.policy_version)
         if take.stale:
@@ -60,8 +64,15 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
         if groups:
             c.buffer.add(groups)
             last_progress = time.monotonic()
-            failed_at_progress = counters.num_failed
+            failed_at_progress, filtered_at_progress = counters.num_failed, counters.num_filtered
             continue
+        # Dynamic sampling that finds no group with signal: after as many groups as MAX_FILTERED_DRAWS
+        # batches, the run stops with the reason (verl's max_num_gen_batches), not after max_wait_s.
+        num_filtered = counters.num_filtered - filtered_at_progress
+        if num_filtered >= MAX_FILTERED_DRAWS * c.groups_per_batch:
+            raise RolloutStalledError(
+                f"dynamic sampling filtered {num_filtered} groups in a row (every sample of each scored the "
+                "same, so no advantage): check the reward functions, or set rollout.dynamic_sampling=false")
         # Failing groups with none finishing in between: from the start, or mid-run (weights gone
         # NaN), a run stops after 3 batches' worth, as the sync loop does, not after max_wait_s.
         num_in_a_row = counters.num_failed - failed_at_progress
