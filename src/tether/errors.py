@@ -8,6 +8,13 @@ The message names what is wrong and where (key, file, line, field).
 from __future__ import annotations
 
 
+def one_line(error: BaseException) -> str:
+    """An exception's message cut to its first line (its type when empty), for a one-line error that
+    quotes a library's or a user's exception."""
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
 class TetherError(Exception):
     """An error caused by user input; its message is one line meant for the user."""
 

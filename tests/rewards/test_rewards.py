@@ -111,6 +111,9 @@ def test_file_that_fails_to_load(tmp_path):
     assert "RuntimeError: no GPU here" in resolve_error(f"{path}:f")
     path = write_module(tmp_path, "exits_bad", "import sys\nsys.exit(1)\n")
     assert f"{path} failed to load: SystemExit: 1" in resolve_error(f"{path}:f")
+    path = write_module(tmp_path, "multiline_bad", "raise RuntimeError('first line\\nsecond line')\n")
+    message = resolve_error(f"{path}:f")
+    assert "RuntimeError: first line" in message and "\n" not in message
 
 
 def test_file_without_the_function(tmp_path):

@@ -37,7 +37,7 @@ from tether.data.records import (
     split_conversation,
     type_name,
 )
-from tether.errors import ConfigError, DataError
+from tether.errors import ConfigError, DataError, one_line
 
 Source = str | os.PathLike[str] | Sequence[Mapping[str, Any]]
 Row = tuple[str, Any]  # (where, raw row): "data/train.jsonl:17", {...}
@@ -191,7 +191,7 @@ def _read_parquet(path: Path) -> Iterator[Row]:
     try:
         parquet = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several unrelated types for a bad file
-        raise DataError(f"{path}: cannot read Parquet file ({_one_line(e)})") from None
+        raise DataError(f"{path}: cannot read Parquet file ({one_line(e)})") from None
     row_number = 0
     for batch in parquet.iter_batches():  # streamed so a `limit` does not read the whole file
         for row in batch.to_pylist():
@@ -207,7 +207,7 @@ def _read_datasets_dir(path: Path, split: str) -> Iterator[Row]:
             datasets.load_from_disk(str(path)) if is_saved else datasets.load_dataset(str(path), split=split)
         )
     except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
-        raise DataError(f"{path}: cannot load dataset ({_one_line(e)})") from None
+        raise DataError(f"{path}: cannot load dataset ({one_line(e)})") from None
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
             raise DataError(f"{path}: no split '{split}' (available: {', '.join(dataset)})")
@@ -220,7 +220,7 @@ def _read_named_dataset(name: str, split: str) -> Iterator[Row]:
     try:
         dataset = datasets.load_dataset(name, split=split)
     except Exception as e:
-        raise DataError(f"cannot load dataset '{name}' offline ({_one_line(e)})") from None
+        raise DataError(f"cannot load dataset '{name}' offline ({one_line(e)})") from None
     yield from ((f"{name}:row {i}", row) for i, row in enumerate(dataset))
 
 
@@ -237,11 +237,6 @@ def _offline_datasets() -> Any:
     datasets.config.HF_HUB_OFFLINE = True
     datasets.config.HF_DATASETS_OFFLINE = True
     return datasets
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
 
 
 def _display(source: Source) -> str:

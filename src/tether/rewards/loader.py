@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.data.tasks import exact_match as answers_match
-from tether.errors import ConfigError
+from tether.errors import ConfigError, one_line
 
 RewardFn = Callable[..., Any]
 
@@ -54,7 +54,7 @@ def _import(module_name: str, spec: str) -> Any:
         return importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # the user's module may fail in any way while importing
         raise ConfigError(f"rewards: cannot import {module_name!r} ({spec}): {type(exc).__name__}: "
-                          f"{_one_line(exc)}") from None
+                          f"{one_line(exc)}") from None
 
 
 def _load_file(path_text: str, spec: str) -> Any:
@@ -68,10 +68,5 @@ def _load_file(path_text: str, spec: str) -> Any:
     try:
         module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # exit() at import time too
-        raise ConfigError(f"rewards: {path} failed to load: {type(exc).__name__}: {_one_line(exc)}") from None
+        raise ConfigError(f"rewards: {path} failed to load: {type(exc).__name__}: {one_line(exc)}") from None
     return module
-
-
-def _one_line(exc: BaseException) -> str:
-    """An exception's message as one line (a user's may span several)."""
-    return " ".join(str(exc).split())[:300]
