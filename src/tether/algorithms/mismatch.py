@@ -83,18 +83,13 @@ def mismatch_metrics(
 
 def lag0_mismatch_metrics(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor,
                           is_lag0: torch.Tensor) -> dict[str, float]:
-    """``mismatch/lag0_k1``, ``mismatch/lag0_k3`` over the valid tokens with ``is_lag0`` (sampled by
-    the weights the trainer scored them with), and ``mismatch/lag0_frac``. All inputs [B, T]."""
-    with torch.no_grad():
-        fresh = mask & is_lag0
-        finite = fresh & torch.isfinite(logp_trainer) & torch.isfinite(logp_engine)
-        log_ratio = torch.where(finite, logp_trainer.float() - logp_engine.float(), 0.0)
-        values = torch.stack([
-            _masked_mean(-log_ratio, finite),
-            _masked_mean(torch.expm1(log_ratio) - log_ratio, finite),
-            fresh.sum() / mask.sum().clamp(min=1),
-        ]).tolist()
-    return dict(zip(("mismatch/lag0_k1", "mismatch/lag0_k3", "mismatch/lag0_frac"), values))
+    """``mismatch/lag0_k1``, ``mismatch/lag0_k3``: ``mismatch_metrics``' k1 and k3 over the valid tokens
+    with ``is_lag0`` (sampled by the weights the trainer scored them with), and
+    ``mismatch/lag0_frac``, their share of the valid tokens. All inputs [B, T]."""
+    fresh = mask & is_lag0
+    out = mismatch_metrics(logp_trainer, logp_engine, fresh)
+    return {"mismatch/lag0_k1": out["mismatch/k1"], "mismatch/lag0_k3": out["mismatch/k3"],
+            "mismatch/lag0_frac": float(fresh.sum()) / max(float(mask.sum()), 1.0)}
 
 
 def staleness_metrics(lags: torch.Tensor) -> dict[str, float | dict[int, int]]:

@@ -371,7 +371,7 @@ def _attend_queries_native(
 def _attend_prefill(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup, mask: torch.Tensor
 ) -> torch.Tensor:
-    num_rows, num_kv_heads, num_keys, head_dim = keys.shape
+    num_rows, num_kv_heads, _, head_dim = keys.shape
     queries = q[group.query_index].transpose(1, 2).to(keys.dtype)  # [S, Hq, Tq, D]
     num_heads, num_queries = queries.shape[1], queries.shape[2]
     group_size = num_heads // num_kv_heads

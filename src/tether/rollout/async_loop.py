@@ -126,6 +126,7 @@ def async_rl_step(c: AsyncRLComponents, state: LoopState) -> tuple[dict[str, Any
 
     lengths = batch.mask.sum(dim=1).float()  # [B * G]
     step_s = time.perf_counter() - start
+    tokens_per_s = float(lengths.sum()) / max(step_s, 1e-9)
     counters = c.transport.counters
     metrics: dict[str, Any] = {
         **scores.metrics(), **train_metrics, **staleness_metrics(lags),
@@ -133,8 +134,7 @@ def async_rl_step(c: AsyncRLComponents, state: LoopState) -> tuple[dict[str, Any
         "time/wait_s": wait_s, "time/step_s": step_s,
         # Generation overlaps training in another process: its rate is the tokens this step consumed
         # over the step's time, the same quantity as throughput/step_tokens_per_s.
-        "throughput/gen_tokens_per_s": float(lengths.sum()) / max(step_s, 1e-9),
-        "throughput/step_tokens_per_s": float(lengths.sum()) / max(step_s, 1e-9),
+        "throughput/gen_tokens_per_s": tokens_per_s, "throughput/step_tokens_per_s": tokens_per_s,
         "rollout/num_stale_dropped": state.num_stale_dropped, "rollout/num_filtered": counters.num_filtered,
         "rollout/num_failed": counters.num_failed,
         "rollout/num_aborted": counters.num_aborted, "rollout/num_reissued": counters.num_reissued,
