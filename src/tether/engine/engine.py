@@ -23,7 +23,6 @@ tested against the row's logits, so that every token of a seeded sample passes t
 from __future__ import annotations
 
 import math
-import numbers
 import random
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceLike
@@ -34,7 +33,7 @@ from tether.engine.attention import SeqSpan
 from tether.engine.block_manager import BlockManager
 from tether.engine.config import EngineConfig
 from tether.engine.proposers import Proposal, build_proposer
-from tether.engine.requests import batch_params, prompt_token_ids, request_error, resolve_max_model_len
+from tether.engine.requests import as_request_ids, batch_params, prompt_token_ids, request_error, resolve_max_model_len
 from tether.engine.rng import SampleRNG
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput, num_kv_blocks_for
 from tether.engine.sampler import Detokenizer, Sampler, finish_reason
@@ -142,17 +141,7 @@ class LLMEngine:
     def abort(self, request_ids: int | Iterable[int] | None = None) -> None:
         """Stop requests (one id, several, or all when None); their completions,
         ``finish_reason="abort"``, come out of the next ``step()`` with the tokens generated so far."""
-        if request_ids is None:
-            request_ids = list(self._requests)
-        elif isinstance(request_ids, numbers.Integral) and not isinstance(request_ids, bool):
-            request_ids = [int(request_ids)]
-        elif isinstance(request_ids, str | bytes) or not isinstance(request_ids, Iterable):
-            raise TypeError(f"abort: give a request id, several, or None (all), got {request_ids!r}")
-        request_ids = list(request_ids)
-        for request_id in request_ids:
-            if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
-                raise TypeError(f"abort: request ids are ints, got {request_id!r}")
-        for request_id in request_ids:
+        for request_id in list(self._requests) if request_ids is None else as_request_ids(request_ids):
             for seq in self._requests.pop(request_id, []):
                 if seq.is_finished:
                     continue

@@ -7,6 +7,7 @@ A request the engine cannot serve gets one line saying why (``request_error``), 
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceLike
@@ -29,6 +30,19 @@ def batch_params(
     if len(params_list) != len(prompts):
         raise RequestError(f"generate got {len(params_list)} SamplingParams for {len(prompts)} prompts")
     return prompts, params_list
+
+
+def as_request_ids(request_ids: object) -> list[int]:
+    """``LLMEngine.abort``'s argument, one request id or several, as a list; a ``TypeError`` naming
+    anything that is no id (a bool, a string, a float)."""
+    ids = [request_ids] if isinstance(request_ids, numbers.Integral) else request_ids
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise TypeError(f"abort: give a request id, several, or None (all), got {request_ids!r}")
+    ids = list(ids)
+    for request_id in ids:
+        if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
+            raise TypeError(f"abort: request ids are ints, got {request_id!r}")
+    return [int(request_id) for request_id in ids]
 
 
 def prompt_token_ids(prompt_ids: SequenceLike[int]) -> tuple[list[int], str | None]:
