@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tether.algorithms import ADVANTAGES, AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
 from tether.engine.types import MIN_TEMPERATURE
+from tether.errors import ConfigError
 
 
 def _types_in(annotation: object) -> set[object]:
@@ -288,10 +290,6 @@ class ExperimentConfig(Section):
         the estimator itself, on a group of zeros, so a new registry entry brings its own rule."""
         if self.recipe != "grpo":
             return self
-        import torch
-
-        from tether.errors import ConfigError
-
         size = self.rollout.group_size
         try:
             ADVANTAGES.get(self.algorithm.advantage)(torch.zeros(size), size)
