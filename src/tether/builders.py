@@ -156,7 +156,8 @@ def _load(loader: Any, source: str, split: str, role: str) -> list[Any]:
     try:
         return loader(source, split=split)
     except DataError as error:
-        if f"no split '{split}'" in str(error):
+        # load_from_disk's DatasetDict names it one way, load_dataset on a data directory another
+        if f"no split '{split}'" in str(error) or f'Unknown split "{split}"' in str(error):
             raise DataError(f"{error} (data.{role}_split)") from None
         raise
 

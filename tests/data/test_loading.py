@@ -165,6 +165,11 @@ BAD_PROMPT_ROWS = [
         "field 'prompt' message 1 must be an object, got str",
     ),
     (["prompt"], "row must be a JSON object, got list"),
+    ({"prompt": "a\ud800b"}, "field 'prompt' holds an unpaired surrogate at character 1"),
+    (
+        {"prompt": [{"role": "user", "content": "\udc00"}]},
+        "field 'prompt' message 0 content holds an unpaired surrogate at character 0",
+    ),
 ]
 
 
@@ -196,6 +201,28 @@ def test_invalid_json(in_tmp):
         load_prompts("data/train.jsonl")
     # 1-based column of `"answer"`, where the comma is missing
     assert str(info.value) == "data/train.jsonl:3: invalid JSON (Expecting ',' delimiter at column 16)"
+
+
+def test_json_that_python_refuses_is_one_line(in_tmp):
+    """Valid JSON beyond Python's limits (a 5,000-digit integer, nesting past the recursion limit)."""
+    Path("big.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "n": ' + "9" * 5000 + "}\n")
+    with pytest.raises(DataError, match=r"^big.jsonl:2: unreadable JSON \(Exceeds the limit"):
+        load_prompts("big.jsonl")
+    Path("deep.jsonl").write_text('{"prompt": "a", "n": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(DataError, match=r"^deep.jsonl:1: unreadable JSON \(maximum recursion depth"):
+        load_prompts("deep.jsonl")
+
+
+def test_a_corrupt_parquet_page_is_one_line(in_tmp):
+    """The footer reads, a data page does not: the error comes while rows are read, not at open."""
+    rows = [{"prompt": f"prompt number {i} " * 4} for i in range(64)]
+    pq.write_table(pa.Table.from_pylist(rows), "bad.parquet", compression="none", use_dictionary=False)
+    data = bytearray(Path("bad.parquet").read_bytes())
+    start = data.index(b"prompt number 10")
+    data[start - 4 : start] = b"\xff\xff\xff\x7f"  # the length prefix of a BYTE_ARRAY value
+    Path("bad.parquet").write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"^bad.parquet: cannot read Parquet file at row 0 \("):
+        load_prompts("bad.parquet")
 
 
 def test_missing_and_empty_files(in_tmp):
@@ -232,6 +259,14 @@ BAD_SFT_ROWS = [
     ({"messages": [{"role": "assistant", "content": "a"}]}, "field 'messages' needs at least one message"),
     ({"messages": "hi"}, "field 'messages' must be a list of chat messages, got str"),
     (
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]},
+        "field 'messages' ends with an empty assistant message",
+    ),
+    (
+        {"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "assistant", "content": ""}]},
+        "field 'completion' ends with an empty assistant message",
+    ),
+    (
         {"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]},
         "field 'completion' is a list of chat messages but 'prompt' is a string",
     ),
@@ -244,6 +279,18 @@ def test_bad_sft_rows(in_tmp, row, message):
     with pytest.raises(DataError) as info:
         load_sft("sft.jsonl")
     assert str(info.value).startswith(f"sft.jsonl:1: {message}")
+
+
+def test_chat_rows_with_a_prompt_column_beside_their_messages(tmp_path):
+    """ultrachat_200k / no_robots (SFT) and ultrafeedback_binarized (preferences) carry the first user
+    turn as a text 'prompt' beside the full conversations; the conversations are the example."""
+    user, reply = {"role": "user", "content": "2+2?"}, lambda text: [{"role": "assistant", "content": text}]
+    sft = load_sft(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "2+2?", "prompt_id": "x",
+                                                         "messages": [user, *reply("4")]}]))
+    assert (sft[0].prompt, sft[0].completion) == ([user], reply("4"))
+    pairs = load_preferences(write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "2+2?", "chosen": [user, *reply("4")], "rejected": [user, *reply("5")], "score_chosen": 9.0}]))
+    assert pairs == [PreferenceRecord([user], reply("4"), reply("5"), 0)]
 
 
 def test_bad_preference_rows(in_tmp):
@@ -280,3 +327,14 @@ def test_null_columns_of_another_format_are_absent(tmp_path):
     records = load_sft(path)
     assert records[0].completion == [{"role": "assistant", "content": "yo"}]
     assert (records[1].prompt, records[1].completion) == ("2+2=", "4")
+
+
+def test_a_missing_split_of_a_data_directory_names_the_setting(in_tmp):
+    """A folder of JSONL files has only a 'train' split; data.eval pointing at it asks for 'test'."""
+    from tether.builders import build_sft_data
+    from tether.config.schema import DataSection
+
+    write_jsonl(Path("folder/train.jsonl"), [{"prompt": "1+1=", "completion": "2"}])
+    section = DataSection(train="folder", eval="folder")
+    with pytest.raises(DataError, match=r"Unknown split \"test\".*\(data.eval_split\)$"):
+        build_sft_data(section, seed=0)

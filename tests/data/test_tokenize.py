@@ -54,13 +54,17 @@ def test_chat_mask_covers_exactly_the_assistant_reply_and_eos(char_tokenizer):
     assert char_tokenizer.decode(example.input_ids) + "\n" == full
 
 
-def test_chat_reply_without_eos_in_template_gets_eos_appended(char_tokenizer):
+def with_template(char_tokenizer, chat_template: str):
+    """The char tokenizer with another chat template (a copy: the fixture is shared)."""
     tokenizer = char_tokenizer.__class__(tokenizer_object=char_tokenizer.backend_tokenizer)
     tokenizer.eos_token, tokenizer.bos_token = "<eos>", "<bos>"
-    tokenizer.chat_template = (
-        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
-        "{% if add_generation_prompt %}[assistant]{% endif %}"
-    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def test_chat_reply_without_eos_in_template_gets_eos_appended(char_tokenizer):
+    tokenizer = with_template(char_tokenizer, "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                                              "{% if add_generation_prompt %}[assistant]{% endif %}")
     example = tokenize_sft(SFTRecord([{"role": "user", "content": "hi"}], "yo"), tokenizer, max_len=64)
     assert masked_text(tokenizer, example) == "yo<eos>"
 
@@ -88,6 +92,37 @@ def test_chat_record_needs_a_chat_template(char_tokenizer):
     tokenizer.eos_token = "<eos>"
     with pytest.raises(DataError, match="chat_template"):
         tokenize_prompt(PromptRecord([{"role": "user", "content": "hi"}]), tokenizer)
+
+
+def test_a_completion_that_already_ends_with_eos_gets_no_second(char_tokenizer):
+    plain = tokenize_sft(SFTRecord("2+2=", "4<eos>"), char_tokenizer, max_len=64)
+    assert char_tokenizer.decode(plain.input_ids) == "<bos>2+2=4<eos>"
+    assert masked_text(char_tokenizer, plain) == "4<eos>"
+    text = tokenize_sft(SFTRecord("hello<eos>", None), char_tokenizer, max_len=64)
+    assert char_tokenizer.decode(text.input_ids) == "<bos>hello<eos>"
+
+
+def test_a_chat_template_that_refuses_the_conversation_names_the_row(char_tokenizer):
+    """Mistral / Llama 2 templates raise_exception() on a system turn: one line naming where the row is."""
+    tokenizer = with_template(
+        char_tokenizer,
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    record = SFTRecord([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], "a",
+                       where="data.jsonl:7")
+    with pytest.raises(DataError) as info:
+        tokenize_sft(record, tokenizer, max_len=64)
+    assert str(info.value) == "data.jsonl:7: the chat template refuses this conversation (System role not supported)"
+    with pytest.raises(DataError, match=r"^the chat template refuses this conversation \(System role"):
+        tokenize_prompt(PromptRecord(record.prompt), tokenizer)
+
+
+def test_a_reply_the_template_cannot_locate_names_the_row(char_tokenizer):
+    tokenizer = with_template(char_tokenizer, "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}")
+    record = SFTRecord([{"role": "user", "content": "q"}], "a", where="data.jsonl:4")
+    with pytest.raises(DataError, match=r"^data.jsonl:4: the chat template does not render the prompt"):
+        tokenize_sft(record, tokenizer, max_len=64)
 
 
 def test_preference_pair_shares_the_prompt(char_tokenizer):

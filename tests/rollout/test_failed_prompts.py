@@ -35,7 +35,8 @@ def test_prompts_longer_than_the_context_are_skipped_with_one_warning(tmp_path, 
     assert len(result.history) == 2 and all(m["rollout/num_failed"] == 0 for m in result.history)
     assert all(m["throughput/step_tokens_per_s"] <= m["throughput/gen_tokens_per_s"] for m in result.history)
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "skipped 2 of 7 training prompts" in warnings[0] and "record 1" in warnings[0]
+    assert len(warnings) == 1 and "skipped 2 of 7 training prompts" in warnings[0]
+    assert warnings[0].endswith(f"the first is {path}:2")  # the file and line of the prompt
 
 
 def test_no_prompt_that_fits_is_a_one_line_data_error(tmp_path, tiny_policy):

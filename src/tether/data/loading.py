@@ -15,9 +15,11 @@ Row formats:
 
 * prompts: ``prompt`` (text or chat messages) plus any other columns, kept as ``fields``;
 * SFT: ``prompt`` + ``completion``, or ``messages`` (the last, assistant, message is the
-  completion), or ``text`` (loss on all of it);
-* preferences: ``prompt`` + ``chosen`` + ``rejected``; without ``prompt``, ``chosen`` and
-  ``rejected`` may be full conversations that share everything but the last assistant message.
+  completion; another column such as ``prompt`` beside it is kept out), or ``text`` (loss on all
+  of it);
+* preferences: ``prompt`` + ``chosen`` + ``rejected``; ``chosen`` and ``rejected`` may instead be
+  full conversations that share everything but the last assistant message (a text ``prompt``
+  beside them, as ultrafeedback_binarized has, is then ignored).
 """
 
 from __future__ import annotations
@@ -97,13 +99,15 @@ def _sft_from_row(row: dict[str, Any], where: str, index: int) -> SFTRecord:
     # A column that is null in this row is absent from it (Parquet / datasets files merged from
     # sources of different formats carry every column in every row).
     row = {key: value for key, value in row.items() if value is not None}
-    if "messages" in row and "prompt" not in row:
+    # A chat row may carry a 'prompt' column beside its messages (ultrachat, no_robots): without a
+    # 'completion' the messages are the example.
+    if "messages" in row and "completion" not in row:
         messages = check_text(row["messages"], where, "messages")
         if isinstance(messages, str):
             raise DataError(f"{where}: field 'messages' must be a list of chat messages, got str")
         prompt, completion = split_conversation(messages, where, "messages")
         return SFTRecord(prompt=prompt, completion=completion, index=index, where=where)
-    if "text" in row and "prompt" not in row:
+    if "text" in row and "completion" not in row:
         text = check_text(row["text"], where, "text")
         if not isinstance(text, str):
             raise DataError(f"{where}: field 'text' must be a string, got list")
@@ -117,7 +121,10 @@ def _sft_from_row(row: dict[str, Any], where: str, index: int) -> SFTRecord:
 def _preference_from_row(row: dict[str, Any], where: str, index: int) -> PreferenceRecord:
     chosen_raw = _require(row, "chosen", where)
     rejected_raw = _require(row, "rejected", where)
-    if row.get("prompt") is None and isinstance(chosen_raw, list) and isinstance(rejected_raw, list):
+    # Both sides full conversations: the prompt is their shared messages, whatever a 'prompt' column
+    # holds beside them (ultrafeedback_binarized carries the first user turn there as a string).
+    is_chat_pair = isinstance(chosen_raw, list) and isinstance(rejected_raw, list)
+    if is_chat_pair and (row.get("prompt") is None or (isinstance(row["prompt"], str) and len(chosen_raw) > 1)):
         return _implicit_prompt_pair(chosen_raw, rejected_raw, where, index)
     prompt = check_text(_require(row, "prompt", where), where, "prompt")
     chosen = check_reply(chosen_raw, prompt, where, "chosen")
@@ -180,6 +187,8 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # valid JSON Python refuses: a huge int, deep nesting
+                raise DataError(f"{where}: unreadable JSON ({one_line(e)})") from None
             yield where, row
 
 
@@ -193,8 +202,16 @@ def _read_parquet(path: Path) -> Iterator[Row]:
     except Exception as e:  # pyarrow raises several unrelated types for a bad file
         raise DataError(f"{path}: cannot read Parquet file ({one_line(e)})") from None
     row_number = 0
-    for batch in parquet.iter_batches():  # streamed so a `limit` does not read the whole file
-        for row in batch.to_pylist():
+    batches = parquet.iter_batches()  # streamed so a `limit` does not read the whole file
+    while True:
+        try:
+            batch = next(batches, None)
+            rows = batch.to_pylist() if batch is not None else []
+        except Exception as e:  # a corrupt page shows only when its batch is read
+            raise DataError(f"{path}: cannot read Parquet file at row {row_number} ({one_line(e)})") from None
+        if batch is None:
+            return
+        for row in rows:
             yield f"{path}:row {row_number}", row
             row_number += 1
 

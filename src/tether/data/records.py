@@ -92,8 +92,18 @@ def check_messages(value: list[Any], where: str, name: str) -> list[Message]:
             raise DataError(
                 f"{where}: field '{name}' message {i} content must be a string, got {type_name(content)}"
             )
+        _check_encodable(content, where, f"field '{name}' message {i} content")
         messages.append({k: v for k, v in message.items() if v is not None})
     return messages
+
+
+def _check_encodable(text: str, where: str, what: str) -> None:
+    """A string a tokenizer can take: JSON's ``"\ud800"`` escape loads as a lone surrogate, which
+    no UTF-8 tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise DataError(f"{where}: {what} holds an unpaired surrogate at character {error.start}") from None
 
 
 def check_text(value: Any, where: str, name: str) -> Text:
@@ -101,6 +111,7 @@ def check_text(value: Any, where: str, name: str) -> Text:
     if isinstance(value, str):
         if not value:
             raise DataError(f"{where}: field '{name}' is an empty string")
+        _check_encodable(value, where, f"field '{name}'")
         return value
     if isinstance(value, list):
         return check_messages(value, where, name)
@@ -125,7 +136,15 @@ def check_reply(value: Any, prompt: Text, where: str, name: str) -> Text:
             raise DataError(
                 f"{where}: field '{name}' must end with an assistant message, got role '{reply[-1]['role']}'"
             )
+        _check_reply_content(reply, where, name)
     return reply
+
+
+def _check_reply_content(messages: list[Message], where: str, name: str) -> None:
+    """The last (assistant) message has text to learn: an empty one would train only the turn's end,
+    as an empty string ``completion`` is refused."""
+    if not messages[-1]["content"]:
+        raise DataError(f"{where}: field '{name}' ends with an empty assistant message")
 
 
 def split_conversation(messages: list[Message], where: str, name: str) -> tuple[list[Message], list[Message]]:
@@ -140,4 +159,5 @@ def split_conversation(messages: list[Message], where: str, name: str) -> tuple[
         )
     if len(messages) < 2:
         raise DataError(f"{where}: field '{name}' needs at least one message before the assistant reply")
+    _check_reply_content(messages, where, name)
     return messages[:-1], messages[-1:]

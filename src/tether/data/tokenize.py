@@ -9,7 +9,8 @@ generation exactly the prefix it was trained on):
 
 SFT example (``tokenize_sft``): ``prompt_ids + completion_ids`` where
 
-* plain text: ``completion_ids = encode(completion) + [eos]``, where ``encode(completion)`` means
+* plain text: ``completion_ids = encode(completion) + [eos]`` (no second eos when the completion
+  already ends with it), where ``encode(completion)`` means
   its tokens as they follow the prompt (``_continuation_ids``: the prompt and the completion
   encoded together, cut after the prompt's tokens, so no word-start space is invented);
 * chat: the conversation with the reply is rendered by the template; its text must start with the
@@ -17,7 +18,8 @@ SFT example (``tokenize_sft``): ``prompt_ids + completion_ids`` where
   contain eos (templates close a turn with it, often followed by a newline), they are cut just
   after the last eos -- generation stops there, so later tokens are never sampled; otherwise eos
   is appended. The mask covers exactly these reply tokens.
-* ``completion=None`` (a ``text`` row): every token after the first is a target, then eos.
+* ``completion=None`` (a ``text`` row): every token after the first is a target, then eos (unless
+  the text ends with it).
 
 Mask convention: ``loss_mask[t]`` is True when token ``t`` is a *target*, predicted from the
 logits at position ``t - 1``; ``loss_mask[0]`` is always False.
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tether.data.records import PreferenceRecord, SFTRecord, Text
-from tether.errors import DataError
+from tether.errors import DataError, one_line
 
 
 class Tokenizer(Protocol):
@@ -100,10 +102,13 @@ def tokenize_sft(record: SFTRecord, tokenizer: Tokenizer, max_len: int) -> SFTEx
     if record.completion is None:
         if not isinstance(record.prompt, str):
             raise DataError(f"{_where(record)}: a record without completion must be plain text")
-        ids = (tokenize_prompt(record, tokenizer) + [eos])[:max_len]
+        ids = _with_eos(tokenize_prompt(record, tokenizer), eos)[:max_len]
         return SFTExample(ids, [False] + [True] * (len(ids) - 1), record.index)
-    prompt_ids = tokenize_prompt(record, tokenizer)
-    completion_ids = _completion_ids(record, tokenizer, eos, prompt_ids)
+    try:
+        prompt_ids = tokenize_prompt(record, tokenizer)
+        completion_ids = _completion_ids(record, tokenizer, eos, prompt_ids)
+    except DataError as error:  # the chat template's own errors: name the row
+        raise DataError(f"{_where(record)}: {error}") from None
     if len(prompt_ids) >= max_len:
         raise DataError(
             f"{_where(record)}: prompt is {len(prompt_ids)} tokens, "
@@ -128,9 +133,9 @@ def _completion_ids(record: SFTRecord, tokenizer: Tokenizer, eos: int, prompt_id
     """The completion's tokens (``prompt_ids``: the record's ``tokenize_prompt``)."""
     if isinstance(record.prompt, str):
         if not isinstance(record.completion, str):
-            raise DataError(f"example {record.index}: a plain-text prompt needs a plain-text completion")
+            raise DataError("a plain-text prompt needs a plain-text completion")
         joint = tokenize_prompt(dataclasses.replace(record, prompt=record.prompt + record.completion), tokenizer)
-        return _continuation_ids(tokenizer, prompt_ids, joint, record.completion) + [eos]
+        return _with_eos(_continuation_ids(tokenizer, prompt_ids, joint, record.completion), eos)
     assert record.completion is not None
     reply = record.completion
     if isinstance(reply, str):
@@ -139,8 +144,8 @@ def _completion_ids(record: SFTRecord, tokenizer: Tokenizer, eos: int, prompt_id
     full_text = _render_chat(tokenizer, record.prompt + reply, add_generation_prompt=False)
     if not full_text.startswith(prompt_text):
         raise DataError(
-            f"example {record.index}: the chat template does not render the prompt as a prefix of the "
-            "conversation, so the assistant reply cannot be located"
+            "the chat template does not render the prompt as a prefix of the conversation, so the "
+            "assistant reply cannot be located"
         )
     ids = _continuation_ids(tokenizer, prompt_ids, _encode(tokenizer, full_text), full_text[len(prompt_text) :])
     if eos in ids:
@@ -161,12 +166,18 @@ def _continuation_ids(tokenizer: Tokenizer, prompt_ids: list[int], joint_ids: li
     return _encode(tokenizer, text)
 
 
+def _with_eos(ids: list[int], eos: int) -> list[int]:
+    """``ids`` ending with one eos: text that already ends with it (``"...</s>"``) gets no second."""
+    return ids if ids and ids[-1] == eos else ids + [eos]
+
+
 def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat-formatted data needs a tokenizer with a chat_template; this tokenizer has none")
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # a template's raise_exception(...) ("System role not supported"), a missing key
+        raise DataError(f"the chat template refuses this conversation ({one_line(error)})") from None
     assert isinstance(text, str)
     return text
 

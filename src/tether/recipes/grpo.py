@@ -170,7 +170,8 @@ def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> Ru
         context = engine_context_len(config, model)
         print(f"warning: {_train_source(config)}: skipped {len(skipped)} of {len(skipped) + len(data.train)} "
               f"training prompts that leave no room for a completion in the engine's context of {context} "
-              f"tokens (empty, or {context} tokens or more); the first is record {skipped[0].index}",
+              f"tokens (empty, or {context} tokens or more); the first is "
+              f"{skipped[0].where or f'record {skipped[0].index}'}",
               file=sys.stderr)
     return RunInputs(data, rewards)
 

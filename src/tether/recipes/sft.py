@@ -34,7 +34,7 @@ def _tokenize_all(records: list[Any], tokenizer: Any, max_len: int, source: str 
         return [tokenize_sft(r, tokenizer, max_len) for r in records]
     except DataError as exc:  # a row read from a file names it already ("file.jsonl:4: ...")
         message = str(exc)
-        is_placed = not source or message.startswith(str(source))
+        is_placed = not source or message.startswith((str(source), str(Path(source))))
         raise DataError(message if is_placed else f"{source}: {message}") from None
 
 
