@@ -176,6 +176,29 @@ def test_corrupt_safetensors(checkpoint):
     assert_one_line_error(checkpoint, "model.safetensors", "cannot read")
 
 
+def test_a_tensor_the_index_places_in_the_wrong_shard(tmp_path, checkpoint):
+    saved = save_model(load_model(checkpoint), tmp_path / "sharded", max_shard_bytes=40_000)
+    index = json.loads((saved / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"]["model.norm.weight"] = first  # the norm sits in the last shard
+    (saved / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_one_line_error(saved, first, "has no tensor 'model.norm.weight'", "model.safetensors.index.json")
+
+
+def test_a_saved_head_unlike_the_tied_embedding_is_loaded_untied_as_transformers_does(tmp_path):
+    """config.json ties the embeddings, yet the file holds a different lm_head.weight: transformers 5
+    keeps the saved head (and warns); so does tether, with the same logits."""
+    path = make_hf_checkpoint(tmp_path / "ckpt", "qwen2", tie=True, with_tokenizer=False)
+    rewrite_weights(path, lambda t: t.update({"lm_head.weight": torch.randn_like(t["model.embed_tokens.weight"])}))
+    with pytest.warns(UserWarning, match="lm_head.weight differs from model.embed_tokens.weight"):
+        model = load_model(path)
+    assert not model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    input_ids = torch.tensor([[1, 5, 9, 13, 2]])
+    torch.testing.assert_close(logits_of(model, input_ids), logits_of(reference, input_ids))
+
+
 def test_missing_shard(tmp_path, checkpoint):
     saved = save_model(load_model(checkpoint), tmp_path / "sharded", max_shard_bytes=40_000)
     next(iter(saved.glob("model-*-of-*.safetensors"))).unlink()

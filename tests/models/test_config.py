@@ -51,6 +51,26 @@ def test_yarn_without_original_length_falls_back_to_max_positions():
     assert scaling.original_max_position_embeddings == 512 and scaling.factor == 4.0
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "original_max_position_embeddings": 256},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 1e4},
+])
+def test_a_top_level_original_length_wins_as_in_transformers(rope):
+    """Phi-3-style configs keep original_max_position_embeddings beside the rope dict; transformers
+    gives that key priority over the dict's (standardize_rope_params)."""
+    hf = {**BASE_4X, "original_max_position_embeddings": 64, "rope_parameters": rope}
+    config = ModelConfig.from_hf(hf)
+    assert config.rope_scaling.original_max_position_embeddings == 64
+    assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+def test_a_null_partial_rotary_factor_is_absent():
+    config = ModelConfig.from_hf({**BASE_4X, "partial_rotary_factor": None})
+    assert config.rope_scaling is None
+    with pytest.raises(CheckpointError, match="partial_rotary_factor != 1 is not supported"):
+        ModelConfig.from_hf({**BASE_4X, "partial_rotary_factor": 0.5})
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_transformers_config_parses_and_round_trips(family):
     config = ModelConfig.from_hf(hf_dict(family, tie=True))

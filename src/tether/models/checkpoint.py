@@ -8,7 +8,9 @@ and, where there is one, the tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -70,7 +72,8 @@ def _weight_files(directory: Path) -> tuple[Path, dict[str, Path]]:
 
 
 def _read_tensors(
-    files: dict[str, Path], expected: dict[str, torch.Size], dtype: torch.dtype, device: str | torch.device
+    listing: Path, files: dict[str, Path], expected: dict[str, torch.Size], dtype: torch.dtype,
+    device: str | torch.device,
 ) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     names_by_file: dict[Path, list[str]] = {}
@@ -79,11 +82,14 @@ def _read_tensors(
     for file, names in names_by_file.items():
         try:
             with safe_open(str(file), framework="pt") as handle:
+                present = set(handle.keys())
                 for name in names:
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
                     if name not in expected:
                         raise CheckpointError(f"{file}: unexpected tensor {name!r} for this architecture")
+                    if name not in present:
+                        raise CheckpointError(f"{file}: has no tensor {name!r}, which {listing.name} places there")
                     tensor = handle.get_tensor(name)
                     if not tensor.is_floating_point():  # a cast would make weights of its integers
                         raise CheckpointError(f"{file}: tensor {name!r} is {tensor.dtype}, not floating point")
@@ -100,6 +106,11 @@ def _read_tensors(
     return tensors
 
 
+def _has_own_head(tensors: dict[str, torch.Tensor]) -> bool:
+    head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    return head is not None and embedding is not None and not torch.equal(head, embedding)
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Decoder:
@@ -110,7 +121,15 @@ def load_model(
     with torch.device("meta"):  # no random init: every parameter is replaced by a checkpoint tensor
         model = Decoder(config)
     expected = {name: param.shape for name, param in model.state_dict().items()}
-    tensors = _read_tensors(files, expected, dtype, device)
+    tensors = _read_tensors(listing, files, expected, dtype, device)
+    if config.tie_word_embeddings and _has_own_head(tensors):
+        # As transformers 5 does: a saved head unlike the embedding is the model's head, untied.
+        warnings.warn(f"{listing}: config.json ties the embeddings but lm_head.weight differs from "
+                      "model.embed_tokens.weight; loading the saved head, untied (as transformers does)",
+                      stacklevel=2)
+        config = dataclasses.replace(config, tie_word_embeddings=False)
+        with torch.device("meta"):
+            model = Decoder(config)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # the embedding is the head; a saved copy is redundant
         expected.pop("lm_head.weight")

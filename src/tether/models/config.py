@@ -289,7 +289,10 @@ def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | N
     """(rope_theta, scaling) from ``rope_parameters`` (5.x) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    partial_rotary_factor = params.get("partial_rotary_factor")
+    if partial_rotary_factor is None:  # transformers: the rope dict's, else the top-level key's; null = absent
+        partial_rotary_factor = hf.get("partial_rotary_factor")
+    if partial_rotary_factor not in (None, 1.0):
         raise CheckpointError(f"{source}: partial_rotary_factor != 1 is not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -305,6 +308,9 @@ def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | N
             if params.get(key) is None:
                 raise CheckpointError(f"{source}: rope scaling 'llama3' is missing required key {key!r}")
     original = params.get("original_max_position_embeddings")
+    if rope_type in ("llama3", "yarn") and hf.get("original_max_position_embeddings") is not None:
+        # transformers gives a top-level key priority over the rope dict's (Phi-3-style configs)
+        original = hf["original_max_position_embeddings"]
     if original is None and rope_type in ("llama3", "yarn"):
         # transformers falls back to max_position_embeddings, with the family's default.
         original = hf.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[hf["model_type"]]
