@@ -249,3 +249,20 @@ def test_a_half_written_library_is_rebuilt_not_imported(kernel, tmp_path):
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "native CPU decode attention unavailable" in done.stderr
     assert not partial.exists()  # the partial library is gone
+
+
+@needs_toolchain
+def test_more_query_heads_per_kv_head_than_the_kernel_takes_attend_by_pytorch(tmp_path):
+    """72 query heads on one KV head: past the kernel's group limit, the engine attends with PyTorch
+    ops (batch invariance, which needs the kernel, turns itself off) and matches transformers."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_hf_checkpoint(tmp_path / "wide", "llama", hidden_size=288, num_heads=72, num_kv_heads=1, seed=2)
+    engine = LLMEngine(load_model(path), config=EngineConfig(num_kv_blocks=32, block_size=4))
+    assert engine.runner.decode_kernel is None and not engine.runner.is_batch_invariant
+    prompt = list(range(5, 14))
+    completion = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8))[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
+    expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert completion.token_ids == expected

@@ -183,6 +183,9 @@ def _reason(error: BaseException) -> str:
     return " ".join(picked.split())[:300]
 
 
+MAX_QUERY_GROUP = 64  # query heads per KV head the attention kernel takes (kMaxGroup in csrc)
+
+
 @functools.cache
 def compiled_kernels() -> ModuleType | None:
     """The compiled module (``decode_attention``, ``silu_mul``, ``sampling_weights``), or None where it

@@ -31,6 +31,7 @@ from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
 from tether.engine.cpu_kernels import PackedWeights, pack_linears
 from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.engine.native import (
+    MAX_QUERY_GROUP,
     SamplingWeights,
     SiluMul,
     are_query_rows_invariant,
@@ -119,7 +120,9 @@ class ModelRunner:
         # fp32 decode rows on CPU attend through the compiled kernel where it builds (``native``).
         is_native = native_attention and self.device.type == "cpu" and self.dtype == torch.float32
         kernels = compiled_kernels() if is_native else None
-        self.decode_kernel = kernels.decode_attention if kernels is not None else None
+        # The kernel takes up to MAX_QUERY_GROUP query heads per KV head; past it PyTorch attends.
+        is_group_served = cfg.num_attention_heads // cfg.num_key_value_heads <= MAX_QUERY_GROUP
+        self.decode_kernel = kernels.decode_attention if kernels is not None and is_group_served else None
         # The MLPs' silu(gate) * up and the sampler's weights by the compiled kernels too: each element
         # by the same vector code wherever it sits (batch invariance needs that), and faster.
         self.silu_mul: SiluMul | None = kernels.silu_mul if kernels is not None else None
@@ -180,7 +183,8 @@ class ModelRunner:
             if batch_invariant is True:
                 raise ConfigError(
                     "engine.batch_invariant: true needs an fp32 model on the CPU with the compiled attention "
-                    "kernel (engine.cpu_native_attention: true and a C++ compiler); set it to auto or false"
+                    f"kernel (engine.cpu_native_attention: true, a C++ compiler, at most {MAX_QUERY_GROUP} query "
+                    "heads per KV head); set it to auto or false"
                 )
             return False
         linears = {id(m) for m in self.model.modules() if isinstance(m, torch.nn.Linear)}

@@ -138,7 +138,7 @@ class EngineStats:
     num_prefill_tokens: int = 0  # prompt tokens run through the model (recomputes after preemption count)
     num_decode_tokens: int = 0  # generated tokens run through the model
     num_generated_tokens: int = 0  # tokens sampled
-    num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_prefix_hit_tokens: int = 0  # tokens served from the prefix cache (a preempted sequence's own too)
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative draft tokens verified by the target
     num_accepted_tokens: int = 0  # of those, accepted by the rejection-sampling test
