@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,51 @@ def test_train_tiny_sft_writes_a_self_describing_run(tmp_path):
     again = tether("train", "c.yaml", *TINY_SFT, "--out", str(out), cwd=tmp_path)
     assert_one_line_error(again, "already holds a run")
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3  # the old run is untouched
+
+
+TINY_ASYNC_GRPO = [
+    "recipe=grpo", "rollout.mode=async", "rollout.max_staleness=1", "trainer.max_steps=100000", "data.task=arith",
+    "data.num_train=64", "data.num_eval=16", "logging.progress=plain", "model.scratch.hidden_size=32",
+    "model.scratch.intermediate_size=64", "model.scratch.num_layers=1", "model.scratch.num_heads=2",
+    "model.scratch.num_kv_heads=1", "model.scratch.max_position_embeddings=64", "rollout.group_size=4",
+    "rollout.prompts_per_step=2", "rollout.max_new_tokens=4", "trainer.num_threads=1",
+]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_an_async_run_with_one_line_and_no_process_left(tmp_path):
+    """Ctrl-C reaches the whole process group (the trainer, its generator process and the process server
+    they fork from): one "interrupted" line, no traceback from any of them, every process gone."""
+    run = tmp_path / "run"
+    (tmp_path / "c.yaml").write_text("name: interrupted\n")
+    process = subprocess.Popen([sys.executable, "-m", "tether.cli", "train", "c.yaml", *TINY_ASYNC_GRPO, "--out",
+                                str(run)],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    deadline = time.monotonic() + 90
+    metrics = run / "metrics.jsonl"
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)  # two steps logged: the generator process is running
+    assert process.poll() is None, process.communicate()
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == "interrupted"
+    deadline = time.monotonic() + 10
+    while _live_processes_of_group(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _live_processes_of_group(process.pid)  # the generator and the process server are gone
+
+
+def _live_processes_of_group(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` that have not exited (zombies wait for init to reap them)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids

@@ -32,10 +32,12 @@ import copy
 import multiprocessing.forkserver
 import os
 import queue
+import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -74,7 +76,8 @@ def start_process_server(preload: Sequence[str] = (), wait: bool = False) -> boo
     if not _is_preload_set:
         context.set_forkserver_preload([*BASE_PRELOAD, *preload])
         _is_preload_set = True
-    multiprocessing.forkserver.ensure_running()
+    with _sigint_ignored():  # the server, and every generator forked from it, leave Ctrl-C to the trainer
+        multiprocessing.forkserver.ensure_running()
     if wait:
         probe = context.Process(target=_do_nothing, name="tether-server-probe")
         probe.start()  # forked once the server has imported
@@ -84,6 +87,22 @@ def start_process_server(preload: Sequence[str] = (), wait: bool = False) -> boo
 
 def _do_nothing() -> None:
     pass
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while a process starts (on the main thread; elsewhere signals cannot be set): the
+    child inherits it across exec. Ctrl-C reaches the whole process group; the trainer turns it into
+    "interrupted" and stops its generator, which otherwise printed a KeyboardInterrupt traceback of
+    its own (the server's one too, when it came during the server's imports)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class GeneratorCrashedError(RuntimeError):
@@ -215,6 +234,8 @@ def run_generator_process(make_worker: Callable[[], GeneratorWorker], weights: S
     ``stop`` is set or the process ``trainer_pid`` is gone. Returns True when stopped cleanly,
     False after reporting an error.
     """
+    if threading.current_thread() is threading.main_thread():  # a process of its own: Ctrl-C is the trainer's
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     trainer = TrainerWatch(trainer_pid)
     if num_threads > 0:
         torch.set_num_threads(num_threads)
@@ -223,9 +244,7 @@ def run_generator_process(make_worker: Callable[[], GeneratorWorker], weights: S
         results.put(("ready", None, None))
         if not wait_for_handover or _wait_for_handover(worker, control, stop, trainer):
             _generate(worker, weights, control, results, stop, trainer)
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the trainer handles it
-        raise
-    except BaseException:  # anything else (SystemExit, CancelledError from user code) is reported to
+    except BaseException:  # anything (SystemExit, CancelledError from user code) is reported to
         results.put(("error", traceback.format_exc(), None))  # the trainer, which raises it; then exit
         return False
     # Stopped: groups still queued will never be read. Without this the exit waits for the
@@ -264,7 +283,8 @@ class ProcessTransport:
         self._process = ctx.Process(target=_generator_process_main, name="tether-generator", daemon=True,
                                     args=(make_worker, weights, self._control, self._results, self._stop,
                                           num_threads, wait_for_handover, os.getpid()))
-        self._process.start()
+        with _sigint_ignored():  # spawned (no forkserver): the child inherits it
+            self._process.start()
 
     def is_ready(self) -> bool:
         """Whether the process has built its worker (never blocks; raises if it failed or died).
