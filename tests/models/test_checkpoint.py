@@ -203,3 +203,7 @@ def test_missing_shard(tmp_path, checkpoint):
     saved = save_model(load_model(checkpoint), tmp_path / "sharded", max_shard_bytes=40_000)
     next(iter(saved.glob("model-*-of-*.safetensors"))).unlink()
     assert_one_line_error(saved, "model.safetensors.index.json", "is missing")
+
+
+def test_a_file_given_as_the_checkpoint(checkpoint):
+    assert_one_line_error(checkpoint / "config.json", "config.json is a file", "the directory that holds config.json")

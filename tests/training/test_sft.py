@@ -78,3 +78,22 @@ def test_examples_longer_than_the_models_context_are_cut_there_with_one_warning(
     assert max(lengths) == 32 and min(lengths) < 32
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "1 of 2 examples are longer than the model's context of 32 tokens" in warnings[0]
+
+
+def test_final_checkpoint_keeps_the_sources_generation_config(tmp_path):
+    """A model fine-tuned from a checkpoint whose generation_config.json lists its end-of-turn ids and
+    sampling defaults: final/ carries them, so transformers' generate (and vLLM) stop where the source did."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from tether.config import load_config
+    from tether.recipes.sft import run_sft
+
+    source = make_hf_checkpoint(tmp_path / "source", "qwen2")
+    GenerationConfig(eos_token_id=[2, 3], do_sample=True, temperature=0.7, top_p=0.8).save_pretrained(source)
+    config = load_config(None, ["recipe=sft", f"model.path={source}", "trainer.max_steps=1", "trainer.batch_size=2",
+                                "data.num_train=8", "data.num_eval=4", "logging.progress=none"])
+    final = run_sft(config, tmp_path / "run").final_dir
+    generation = GenerationConfig.from_pretrained(final)
+    assert (generation.eos_token_id, generation.do_sample, generation.temperature, generation.top_p) == \
+        ([2, 3], True, 0.7, 0.8)
+    assert AutoModelForCausalLM.from_pretrained(final).generation_config.eos_token_id == [2, 3]

@@ -1,7 +1,8 @@
 """A deterministic, resumable cursor over a dataset (prompts for RL, examples for SFT).
 
-All of its state (epoch, position, seed) is explicit and saved with the run: the order of epoch
-``e`` is a permutation drawn from ``seed + e``, so resuming at (epoch, position) replays exactly.
+All of its state (epoch, position, seed) is explicit, for the run's checkpoints to save (resume is
+ROADMAP item 3; no run saves it yet): the order of epoch ``e`` is a permutation drawn from
+``seed + e``, so restarting at (epoch, position) replays exactly.
 """
 
 from __future__ import annotations

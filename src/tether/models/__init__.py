@@ -1,7 +1,7 @@
 """Model code: one decoder for Llama / Mistral / Qwen2 / Qwen3, Hugging Face checkpoint I/O, tokenizers."""
 
 from tether.models.attention import AttentionBackend, CausalAttention, ContiguousKVCache, PackedAttention
-from tether.models.checkpoint import load_model, read_model_config, save_model
+from tether.models.checkpoint import load_model, read_model_config, save_checkpoint, save_model
 from tether.models.config import ModelConfig, RopeScaling
 from tether.models.decoder import Decoder
 from tether.models.rope import RotaryEmbedding, apply_rope, compute_inv_freq
@@ -23,5 +23,6 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "read_model_config",
+    "save_checkpoint",
     "save_model",
 ]

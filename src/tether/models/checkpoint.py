@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -26,12 +28,15 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers older transformers versions saved; not parameters of the model, safe to skip.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+CARRIED_FILES = ("generation_config.json",)  # copied from a trained checkpoint's source (save_checkpoint)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
     """Parse ``path/config.json``."""
     directory = Path(path)
+    if directory.is_file():
+        raise CheckpointError(f"{directory} is a file; a checkpoint is the directory that holds config.json")
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     config_path = directory / CONFIG_FILE
@@ -165,6 +170,19 @@ def _remove_old_weights(directory: Path) -> None:
     stale = [directory / WEIGHTS_FILE, directory / INDEX_FILE, *directory.glob("model-*-of-*.safetensors")]
     for file in stale:
         file.unlink(missing_ok=True)
+
+
+def save_checkpoint(model: Decoder, tokenizer: Any, path: str | Path, source: str | Path | None = None) -> Path:
+    """A run's checkpoint (``final/``): ``save_model``, the tokenizer, and the files of the ``source``
+    checkpoint it was trained from that say how to generate with it (``CARRIED_FILES``:
+    generation_config.json holds the end-of-turn ids and sampling defaults that transformers'
+    ``generate`` and vLLM read, which config.json's ``eos_token_id`` may lack)."""
+    directory = save_model(model, path)
+    tokenizer.save_pretrained(directory)
+    for name in CARRIED_FILES if source is not None else ():
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, directory / name)
+    return directory
 
 
 def save_model(model: Decoder, path: str | Path, max_shard_bytes: int | None = None) -> Path:

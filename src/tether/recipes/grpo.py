@@ -38,7 +38,7 @@ from tether.engine.requests import resolve_max_model_len
 from tether.engine.types import SamplingParams
 from tether.errors import ConfigError, DataError, TetherError
 from tether.metrics import MetricsWriter
-from tether.models.checkpoint import save_model
+from tether.models.checkpoint import save_checkpoint
 from tether.progress import make_progress
 from tether.rewards.compute import RewardComputer
 from tether.rollout.async_loop import AsyncRLComponents, async_rl_step
@@ -301,6 +301,5 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
         if isinstance(components, AsyncRLComponents):
             components.transport.close()
     final_dir = run_dir / "final"
-    save_model(model, final_dir)
-    tokenizer.save_pretrained(final_dir)
+    save_checkpoint(model, tokenizer, final_dir, source=config.init_from or config.model.path)
     return GRPOResult(run_dir, final_dir, history, model, tokenizer)

@@ -13,7 +13,7 @@ from tether.data.cursor import DataCursor
 from tether.data.tokenize import SFTExample, tokenize_sft
 from tether.errors import DataError
 from tether.metrics import MetricsWriter
-from tether.models.checkpoint import save_model
+from tether.models.checkpoint import save_checkpoint
 from tether.progress import make_progress
 from tether.training.optim import build_optimizer, build_scheduler
 from tether.training.sft import SFTTrainer
@@ -82,6 +82,5 @@ def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenize
                     eval_losses.append((step, metrics["eval/loss"]))
                 writer.log(step, metrics)
     final_dir = run_dir / "final"
-    save_model(model, final_dir)
-    tokenizer.save_pretrained(final_dir)
+    save_checkpoint(model, tokenizer, final_dir, source=config.init_from or config.model.path)
     return SFTResult(run_dir, final_dir, eval_losses, model, tokenizer)
