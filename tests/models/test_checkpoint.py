@@ -207,3 +207,14 @@ def test_missing_shard(tmp_path, checkpoint):
 
 def test_a_file_given_as_the_checkpoint(checkpoint):
     assert_one_line_error(checkpoint / "config.json", "config.json is a file", "the directory that holds config.json")
+
+
+@pytest.mark.parametrize("key, value", [("rms_norm_eps", float("nan")), ("rms_norm_eps", 0), ("rope_theta", -1.0),
+                                        ("rope_theta", float("inf"))])
+def test_norm_and_rope_constants_that_would_poison_every_logit(checkpoint, key, value):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config[key] = value
+    if key == "rope_theta":  # transformers 5 keeps it in rope_parameters, which wins
+        config["rope_parameters"] = {**config["rope_parameters"], key: value}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(checkpoint, "config.json", key, "finite number > 0")

@@ -18,6 +18,7 @@ the same ``ModelConfig``, and ``to_hf`` writes both spellings so either major ve
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,10 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):  # NaN or inf would reach every logit, silently
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise CheckpointError(f"{name} must be a finite number > 0, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise CheckpointError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
