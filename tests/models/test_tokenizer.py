@@ -34,6 +34,9 @@ def test_custom_alphabet():
     tokenizer = build_char_tokenizer("abca")
     assert len(tokenizer) == 7
     assert tokenizer.decode(tokenizer.encode("cab", add_special_tokens=False)) == "cab"
+    accented = build_char_tokenizer("é a\n")  # a character of two UTF-8 bytes is still one token
+    assert accented.encode("a é\nà", add_special_tokens=False) == [6, 5, 4, 7, 3]
+    assert accented.decode(accented.encode("a é\n", add_special_tokens=False)) == "a é\n"
 
 
 def test_save_and_load_with_auto_tokenizer(tmp_path, tokenizer):
@@ -59,6 +62,11 @@ def test_a_checkpoints_char_tokenizer_reloads_exactly_whatever_the_model_family(
     assert encode_prompt(loaded, TEXT) == encode_prompt(tokenizer, TEXT)
     assert loaded.decode(loaded.encode(TEXT, add_special_tokens=False)) == TEXT
     assert loaded.chat_template == tokenizer.chat_template and loaded.eos_token_id == tokenizer.eos_token_id
+    # transformers' own AutoTokenizer too (final/ is for any user of transformers): for qwen2 it rebuilds
+    # the tokenizer as Qwen2Tokenizer, whose byte-level pipeline reads the byte-level spellings alike
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    assert auto.encode(TEXT, add_special_tokens=False) == tokenizer.encode(TEXT, add_special_tokens=False)
+    assert auto.decode(auto.encode(TEXT, add_special_tokens=False)) == TEXT
 
 
 def test_encode_prompt_plain_text_gets_bos_only(tokenizer):

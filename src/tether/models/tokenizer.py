@@ -36,11 +36,19 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
     from transformers import PreTrainedTokenizerFast
 
     chars = list(dict.fromkeys(DEFAULT_ALPHABET if alphabet is None else alphabet))
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
+    # Each character's token is its GPT-2 byte-level spelling (" " is "Ġ", "\n" is "Ċ"): transformers 5's
+    # AutoTokenizer loads a qwen2 checkpoint's tokenizer as Qwen2Tokenizer whatever tokenizer_config.json
+    # says, rebuilt as byte-level BPE over this vocabulary; with plain spellings it dropped every space
+    # and newline of the text it encoded.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    spelled = [byte_level.pre_tokenize_str(char)[0][0] for char in chars]
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *spelled])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    # "[\s\S]" (any character, newline included) splits every character into its own word.
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()  # join tokens with nothing in between, not with spaces
+    # "[\s\S]" (any character, newline included) splits every character into its own word (one
+    # <unk> for a character outside the alphabet), then spelled byte-level; decoding spells it back.
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"),
+                                                     byte_level])
+    backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
