@@ -149,3 +149,12 @@ def _live_processes_of_group(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(stat.parent.name))
     return pids
+
+
+def test_overrides_after_out_are_overrides(tmp_path):
+    """`tether train c.yaml --out run key=value`: argparse alone rejected the override after the option."""
+    (tmp_path / "c.yaml").write_text("name: tiny\n")
+    result = tether("train", "c.yaml", "--out", str(tmp_path / "run"), "trainer.max_step=3", cwd=tmp_path)
+    assert_one_line_error(result, "trainer.max_step")  # read as an override: the config names the bad key
+    result = tether("train", "c.yaml", "--out", str(tmp_path / "run"), "--bogus", cwd=tmp_path)
+    assert result.returncode == 2 and "unrecognized arguments: --bogus" in result.stderr

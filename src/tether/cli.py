@@ -52,7 +52,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="Train a small model on built-in arithmetic: SFT, then GRPO. "
                        "No downloads.", description="SFT warm start, then RL with a verifiable reward, "
                        "on a model built from scratch; prints held-out accuracy before and after RL.")
-    p.add_argument("--quick", action="store_true", help="A shorter run (about a third of the time).")
+    p.add_argument("--quick", action="store_true",
+                   help="Fewer RL steps (60 instead of 200; the SFT warm start, most of the time, is the same).")
     p.add_argument("--out", help="Run directory (default: runs/demo-<timestamp>/).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=["sync", "async"], default="async",
@@ -70,7 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides after --out (`tether train c.yaml --out run lr=1`): argparse ends the positionals at
+    # the first option, and its intermixed parsing does not take subcommands.
+    if extra and args.command == "train" and all("=" in arg and not arg.startswith("-") for arg in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "train":
             from tether.recipes import run_train

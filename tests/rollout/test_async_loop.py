@@ -116,7 +116,9 @@ def test_dynamic_sampling_without_any_signal_stops_after_ten_batches_of_groups(t
     components, _ = in_process(config, tiny_policy, run_ahead=False)
     with pytest.raises(RolloutStalledError, match=r"dynamic sampling filtered \d+ groups in a row"):
         run_steps(components, 1)
-    assert components.transport.counters.num_filtered >= 10 * components.groups_per_batch
+    num_filtered, groups_per_batch = components.transport.counters.num_filtered, components.groups_per_batch
+    # the poll returns as groups are filtered: past the limit by at most the groups one engine step ends
+    assert 10 * groups_per_batch <= num_filtered < 11 * groups_per_batch
 
 
 def test_sync_mode_with_oversampling_stays_on_policy(tiny_policy, tmp_path):
@@ -143,3 +145,16 @@ def test_partial_rollouts_default_to_the_staleness_bound_in_force():
     assert partial("rollout.mode=async", "rollout.max_staleness=2")
     assert partial("rollout.mode=sync", "rollout.oversample=2")
     assert not partial("rollout.mode=async", "rollout.max_staleness=2", "rollout.partial_rollouts=false")
+
+
+def test_dynamic_sampling_limit_in_sync_mode_counts_filtered_groups_as_they_come(tiny_policy):
+    """Sync mode keeps its one batch of groups in flight and re-issues each filtered one at once: the
+    poll must hand back as groups are filtered, or it stepped on for its whole timeout (0.5 s: 55
+    groups past a limit of 10)."""
+    config = tiny_config("rollout.mode=sync", "rollout.dynamic_sampling=true", "rollout.prompts_per_step=1",
+                         reward="constant")
+    components, _ = in_process(config, tiny_policy, run_ahead=False)
+    with pytest.raises(RolloutStalledError, match=r"dynamic sampling filtered \d+ groups in a row"):
+        run_steps(components, 1)
+    num_filtered = components.transport.counters.num_filtered
+    assert 10 <= num_filtered <= 11

@@ -1,8 +1,9 @@
 """The typed experiment config: one nested, validated object, every field with a default and help.
 
-YAML files only supply values; the schema here is the single source of truth (the config reference
-in the docs is generated from it). Components never receive this object whole: builders translate
-the relevant section into plain arguments.
+YAML files only supply values; the schema here is the single source of truth for defaults and help
+(`tether train --help` points here; a generated config reference is ROADMAP item 5). Library
+components never receive this object whole: builders and recipes translate the relevant section into
+plain arguments.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ class RolloutSection(Section):
         "Empty: on when the staleness bound in force (0 in sync mode) or oversample is above 0.")
     oversample: int = Field(0, ge=0, description="Extra groups started beyond what a batch needs: a batch "
                             "closes on the fastest groups (early cut); the rest run on into the next batch "
-                            "(async) or are aborted and their prompts re-issued first (sync).")
+                            "(async) or are dropped (finished) or aborted (running) and their prompts re-issued "
+                            "first (sync).")
     dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (no GRPO "
                                    "signal) and generate replacements (DAPO's dynamic sampling).")
     generator_threads: int = Field(0, ge=0, description="torch CPU threads of the generator process in "
@@ -242,7 +244,8 @@ class TrainerSection(Section):
                                 "one forward over it in the trainer; exact, and n times less prompt "
                                 "compute for groups of n.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end); the sft recipe.")
-    num_threads: int = Field(0, ge=0, description="torch CPU threads (0: leave torch's default).")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads (0: leave torch's default; in async mode half of "
+                             "the cores, as rollout.generator_threads for the generator process).")
 
 
 class LoggingSection(Section):

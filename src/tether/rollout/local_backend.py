@@ -138,13 +138,17 @@ class InProcessTransport:
     def poll(self, timeout_s: float = 1.0) -> list[GroupRollout]:
         groups: list[GroupRollout] = []
         deadline = time.monotonic() + timeout_s
+        dropped = self._num_dropped()
         while not self.worker.is_idle:
             groups.extend(self.worker.step())
             if groups and not self.run_ahead:
                 break
-            if not groups and time.monotonic() > deadline:
-                break  # e.g. dynamic sampling filtering everything: let the driver judge
+            if not groups and (self._num_dropped() != dropped or time.monotonic() > deadline):
+                break  # a group filtered (dynamic sampling) or failed: the driver counts them against its limits
         return groups
+
+    def _num_dropped(self) -> int:
+        return self.counters.num_filtered + self.counters.num_failed
 
     def publish_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.worker.load_weights(named_tensors, version)
