@@ -230,7 +230,8 @@ def measure_decode(engine: LLMEngine, s: BenchSettings, num_rows: int) -> tuple[
 def hf_sampling(model: torch.nn.Module, max_new_tokens: int) -> object:
     from transformers import GenerationConfig
 
-    # eos_token_id=None: no row stops early, as ignore_eos; top_k=0 turns off transformers' default 50.
+    # eos_token_id=None with the model's generation_config cleared (build_models): no row stops early,
+    # as ignore_eos; top_k=0 turns off transformers' default 50.
     return GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                             max_new_tokens=max_new_tokens, eos_token_id=None,
                             pad_token_id=model.config.pad_token_id)
@@ -246,6 +247,7 @@ def run_hf_generate(model: torch.nn.Module, w: Workload, s: BenchSettings) -> in
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                          generation_config=hf_sampling(model, max(w.budgets)))
     num_generated = out.shape[1] - width
+    assert num_generated == max(w.budgets), (num_generated, max(w.budgets))  # ran to the longest budget
     return sum(min(budget, num_generated) for budget in w.budgets)
 
 
@@ -298,6 +300,9 @@ def build_models(s: BenchSettings, directory: Path) -> tuple[torch.nn.Module, to
     tether = load_model(directory).to(s.torch_dtype).eval()
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=s.torch_dtype, attn_implementation="sdpa")
     hf = hf.eval()
+    # No row of `generate` stops at EOS (ignore_eos, as tether's rows): a GenerationConfig's eos_token_id
+    # None is "not given", and generate fills it in from the model's generation_config.
+    hf.generation_config.eos_token_id = None
     return tether, hf
 
 
@@ -332,6 +337,7 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
         out.extend(compare_tether_paths(s, tether, w, t_tokens / t_s, engine.is_batch_invariant))
     run_hf_generate(hf, w.with_budget(s.min_budget), s)  # the same warm-up
     g_s, g_tokens = best_time(lambda: run_hf_generate(hf, w, s), s.repeats)
+    assert g_tokens == w.num_useful_tokens, (g_tokens, w.num_useful_tokens)
     out.append(line("transformers generate (mixed budgets)", g_s, g_tokens))
     out.append(f"ratio tether / generate (mixed budgets): {(t_tokens / t_s) / (g_tokens / g_s):.2f}")
     paged_rate = None
@@ -346,6 +352,7 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     u_s, u_tokens = best_time(lambda: run_tether(engine, uniform, s), s.repeats)
     out.append(line("tether LLMEngine (uniform budgets)", u_s, u_tokens))
     h_s, h_tokens = best_time(lambda: run_hf_generate(hf, uniform, s), s.repeats)
+    assert u_tokens == h_tokens == uniform.num_useful_tokens, (u_tokens, h_tokens, uniform.num_useful_tokens)
     out.append(line("transformers generate (uniform budgets)", h_s, h_tokens))
     out.append(f"ratio tether / generate (uniform budgets): {(u_tokens / u_s) / (h_tokens / h_s):.2f}")
 
@@ -377,7 +384,9 @@ def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload,
     try:
         paged = AutoModelForCausalLM.from_pretrained(hf.name_or_path, dtype=s.torch_dtype,
                                                      attn_implementation="paged|sdpa").eval()
+        run_hf_paged(paged, w.with_budget(s.min_budget), s)  # the same warm-up as the other systems
         p_s, p_tokens = min(run_hf_paged(paged, w, s) for _ in range(s.repeats))
+        assert p_tokens == w.num_useful_tokens, (p_tokens, w.num_useful_tokens)
     except Exception as error:  # report why it cannot run here, and go on with the rest
         message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
         return [f"transformers continuous batching: cannot run: {message}",
