@@ -333,3 +333,9 @@ def test_a_run_directorys_config_names_local_files_by_absolute_path(tmp_path, mo
     assert saved.data.train == str(tmp_path / "data" / "train.jsonl")
     assert saved.data.eval == "some/hub-name"
     assert [r.fn for r in saved.rewards] == [f"{tmp_path / 'my_reward.py'}:score", "exact_match"]
+
+
+def test_a_reward_listed_twice_is_refused():
+    """Its metrics and error counts are keyed by name: two entries would share (and miscount) them."""
+    message = config_error(overrides=["rewards=[{fn: task, weight: 1.0}, {fn: task, weight: 0.5}]"])
+    assert "'task' is listed twice" in message and "weights summed" in message

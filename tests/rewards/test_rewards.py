@@ -168,6 +168,45 @@ def test_numpy_and_torch_scalars_and_bools_are_numbers():
     assert result.num_errors == {"mixed": 0}
 
 
+def test_numpy_text_is_not_a_number():
+    """``float`` parses numpy's strings ("1.0" as np.str_, a 0-d string array): text is not a score."""
+    import numpy as np
+
+    for text in (np.str_("1.0"), np.bytes_(b"1"), np.array("0.7"), np.array("2", dtype=object)):
+        result = score(WeightedReward("judge", lambda prompt, completion, t=text, **fields: t))
+        assert result.totals == [0.0, 0.0, 0.0] and result.num_errors == {"judge": 3}, text
+
+
+def test_a_reward_file_with_a_dataclass_loads_by_path(tmp_path):
+    """dataclasses resolve string annotations through sys.modules: the file's module is registered."""
+    path = write_module(tmp_path, "dc_rewards", """
+        from __future__ import annotations
+        from dataclasses import dataclass
+
+        @dataclass
+        class Judge:
+            scale: float = 1.0
+
+        def judged(prompt, completion, **fields):
+            return Judge(2.0).scale
+    """)
+    assert resolve_reward(f"{path}:judged")("p", "c") == 2.0
+
+
+def test_a_module_in_the_working_directory_imports_from_the_console_script(tmp_path, monkeypatch):
+    """The `tether` script puts its bin directory on sys.path, not the directory it runs in."""
+    import sys
+
+    write_module(tmp_path, "cwd_rewards_mod", """
+        def one(prompt, completion, **fields):
+            return 1.0
+    """)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert resolve_reward("cwd_rewards_mod:one")("p", "c") == 1.0
+    assert str(tmp_path) not in sys.path  # only while importing
+
+
 def _bad_on_second(bad_value):
     """A reward that is fine (1.0) except on the second sample, where it returns ``bad_value``
     (or raises it, when it is an exception)."""

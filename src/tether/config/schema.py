@@ -278,6 +278,16 @@ class ExperimentConfig(Section):
         default_factory=lambda: [RewardSpec(fn="task")], min_length=1,
         description="Reward functions summed with weights; `task` is the built-in task's own checker.")
 
+    @field_validator("rewards")
+    @classmethod
+    def _each_reward_once(cls, rewards: list[RewardSpec]) -> list[RewardSpec]:
+        """A reward's name keys its metrics and error counts: listed twice, the two would share them."""
+        names = [spec.fn for spec in rewards]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:
+            raise ValueError(f"{twice!r} is listed twice; list it once, with the weights summed")
+        return rewards
+
     @field_validator("name")
     @classmethod
     def _name_is_one_path_part(cls, name: str) -> str:

@@ -152,12 +152,17 @@ MAX_ABS_REWARD = 1e15
 
 
 def _as_number(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, (int, float)) and not (hasattr(value, "item") and callable(value.item)):
+    """A finite score from a Python, numpy or torch number (a bool too); None for anything else,
+    text included (``float`` would parse numpy's ``np.str_("1.0")``)."""
+    if not isinstance(value, (int, float)) and hasattr(value, "item") and callable(value.item):
+        try:
+            value = value.item()  # a numpy scalar or 0-d array, a one-element tensor: its Python value
+        except Exception:  # several elements, or a user type's item() that raises
+            return None
+    if not isinstance(value, (int, float)):  # bool is an int
         return None
     try:
         number = float(value)
-    except Exception:  # a user type's __float__ may raise anything
+    except Exception:  # an int with hundreds of digits; a user's float subclass whose __float__ raises
         return None
     return number if math.isfinite(number) and abs(number) <= MAX_ABS_REWARD else None

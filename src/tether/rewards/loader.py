@@ -6,8 +6,11 @@ dict return is a set of named sub-scores that are summed (and logged one by one)
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import os
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -50,23 +53,37 @@ def resolve_reward(spec: str, builtins: Mapping[str, RewardFn] | None = None) ->
 
 
 def _import(module_name: str, spec: str) -> Any:
+    # From the working directory too, as `python -m` would: the `tether` console script puts its own
+    # bin directory first on sys.path, not the directory it runs in.
+    is_added = os.getcwd() not in sys.path
+    if is_added:
+        sys.path.insert(0, os.getcwd())
     try:
         return importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # the user's module may fail in any way while importing
         raise ConfigError(f"rewards: cannot import {module_name!r} ({spec}): {type(exc).__name__}: "
                           f"{one_line(exc)}") from None
+    finally:
+        if is_added:
+            sys.path.remove(os.getcwd())
 
 
 def _load_file(path_text: str, spec: str) -> Any:
     path = Path(path_text)
     if not path.is_file():
         raise ConfigError(f"rewards: file not found: {path} ({spec})")
-    module_spec = importlib.util.spec_from_file_location(f"tether_reward_{path.stem}", path)
+    # A module registered under a name of its own file (two rewards.py in different directories do
+    # not collide), as importlib's recipe does: dataclasses and pickle look classes up in sys.modules.
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+    name = f"tether_reward_{path.stem}_{digest}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise ConfigError(f"rewards: cannot load {path} ({spec})")
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # exit() at import time too
+        sys.modules.pop(name, None)
         raise ConfigError(f"rewards: {path} failed to load: {type(exc).__name__}: {one_line(exc)}") from None
     return module
