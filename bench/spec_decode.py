@@ -11,14 +11,16 @@ to serve as the draft model. Then, batch 1, greedy, on held-out copy prompts, in
 * prompt lookup (``EngineConfig(speculative="ngram")``): the answer is in the prompt, the best case;
 * the draft model (``speculative="draft"``).
 
-For each: tokens/s (decode wall time over generated tokens, one request at a time, after a warm-up
-request), the speed-up over plain, the acceptance rate; the script asserts that the greedy outputs
-of all three are identical (speculation is exact) and prints the copy accuracy.
+For each: tokens/s (generated tokens over the wall time of each request's ``generate``, its prompt's
+prefill included, one request at a time, after a warm-up request), the speed-up over plain, the
+acceptance rate; the script asserts that the greedy outputs of all three are identical (speculation
+is exact) and prints the copy accuracy.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +46,9 @@ MAX_SEQ_LEN = 256
 COPY_CHARS = (10, 30)  # shorter than the task's default, so a few hundred CPU steps learn to copy
 TARGET_SHAPE = (2, 128)  # (layers, hidden size): two layers, the least that can learn to copy (induction)
 DRAFT_SHAPE = (1, 64)
+LR = 1e-3  # 5e-3 never formed the copy circuit
+BATCH = 32
+NUM_EXAMPLES = 4000
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +69,15 @@ def train_copy_model(num_layers: int, hidden_size: int, num_steps: int, seed: in
     )  # fmt: skip
     model, tokenizer = build_model_and_tokenizer(ModelSection(scratch=scratch), None, seed)
     task = get_task("copy", min_chars=COPY_CHARS[0], max_chars=COPY_CHARS[1])
-    examples = [tokenize_sft(r, tokenizer, MAX_SEQ_LEN) for r in task.sft(4000, seed=seed)]
-    optimizer = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)  # 5e-3 never formed the copy circuit
+    examples = [tokenize_sft(r, tokenizer, MAX_SEQ_LEN) for r in task.sft(NUM_EXAMPLES, seed=seed)]
+    optimizer = build_optimizer(model.parameters(), lr=LR, weight_decay=0.0)
     scheduler = build_scheduler(optimizer, warmup_steps=20, max_steps=num_steps, schedule="cosine",
                                 min_lr_ratio=0.1)  # fmt: skip
     trainer = SFTTrainer(model, optimizer, scheduler, micro_batch_tokens=1 << 16, grad_clip=1.0)
     cursor = DataCursor(examples, seed=seed)
     loss = float("nan")
     for step in range(1, num_steps + 1):
-        loss = trainer.train_step(cursor.take(32))["loss/sft"]
+        loss = trainer.train_step(cursor.take(BATCH))["loss/sft"]
         if step % 500 == 0 or step == num_steps:
             print(f"  [{num_layers} layer(s), h={hidden_size}] step {step}: loss {loss:.3f}", flush=True)
     model.eval()
@@ -82,7 +87,10 @@ def train_copy_model(num_layers: int, hidden_size: int, num_steps: int, seed: in
 def trained_copy_model(shape: tuple[int, int], num_steps: int, seed: int, cache_dir: Path | None):
     """``train_copy_model``, or its saved result from an earlier run with the same settings."""
     num_layers, hidden_size = shape
-    path = None if cache_dir is None else cache_dir / f"copy-l{num_layers}-h{hidden_size}-s{num_steps}-seed{seed}"
+    # Named by everything that shapes the result: a change to the recipe trains a new model.
+    recipe = hashlib.sha1(repr((COPY_CHARS, MAX_SEQ_LEN, LR, BATCH, NUM_EXAMPLES)).encode()).hexdigest()[:8]
+    name = f"copy-l{num_layers}-h{hidden_size}-s{num_steps}-seed{seed}-{recipe}"
+    path = None if cache_dir is None else cache_dir / name
     if path is not None and (path / "config.json").is_file():
         print(f"  loading {path}")
         return load_model(path).eval(), load_tokenizer(path)
