@@ -244,6 +244,8 @@ class _FloatRaises(float):
     (1e39, "returned 1e+39, not a finite number within +-1e+15"),
     ({"a": 1.7e308, "b": 1.7e308}, "sub-score 'a' is not a finite number within"),
     ({"a": 9e14, "b": 9e14}, "its sub-scores sum to 1.8e+15, beyond +-1e+15"),
+    ({}, "returned no sub-scores ({})"),
+    ({1: 0.5, "1": 0.25}, "two sub-scores are named '1'"),
 ])
 def test_broken_function_is_counted_and_scores_zero(bad_value, fragment):
     good = WeightedReward("good", lambda prompt, completion, **fields: 0.5, 2.0)
@@ -308,3 +310,21 @@ def test_row_with_a_completion_column_still_reaches_the_function():
     result = RewardComputer([WeightedReward("exact_match", exact_match)]).score(PROMPTS, COMPLETIONS, fields)
     assert result.num_errors == {"exact_match": 0}
     assert result.totals == [1.0, 0.0, 0.0]
+
+
+def test_a_reward_that_mutates_its_inputs_changes_nothing_for_later_calls():
+    """A judge that appends to the chat prompt or a field it was given: the dataset's record is
+    shared by every sample of every epoch, so each call gets copies."""
+    chat = [{"role": "user", "content": "2+2="}]
+    rows = [{"answer": ["4"]} for _ in range(3)]
+    seen = []
+
+    def judge(prompt, completion, answer, **fields):
+        seen.append((len(prompt), len(answer)))
+        prompt.append({"role": "assistant", "content": completion})
+        answer.append("four")
+        return 1.0
+
+    RewardComputer([WeightedReward("judge", judge)]).score([chat] * 3, COMPLETIONS, rows)
+    assert seen == [(1, 1)] * 3
+    assert chat == [{"role": "user", "content": "2+2="}] and rows[0] == {"answer": ["4"]}

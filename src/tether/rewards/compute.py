@@ -9,6 +9,7 @@ in-process loop here; callers don't change.)
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections.abc import Sequence
@@ -102,17 +103,24 @@ def _component(reward_name: str, key: str) -> str:
 def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
           ) -> tuple[float, dict[str, float], str | None]:
     """Returns (score, named parts, error); a failure scores 0.0."""
-    # A dataset column named like a positional argument must not collide with it.
-    fields = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
+    # A dataset column named like a positional argument must not collide with it. Copies: the row and
+    # a chat prompt are the dataset's own, shared by every sample of every epoch, and a reward that
+    # appends to them (a judge building its messages) would change them for all later calls.
+    fields = copy.deepcopy({k: v for k, v in row.items() if k not in ("prompt", "completion")})
+    prompt = copy.deepcopy(prompt) if isinstance(prompt, (list, dict)) else prompt
     try:
         value = fn(prompt, completion, **fields)
         if isinstance(value, dict):
+            if not value:
+                return 0.0, {}, "returned no sub-scores ({})"
             parts: dict[str, float] = {}
             for key, item in value.items():
                 number = _as_number(item)
                 if number is None:
                     return 0.0, {}, (f"sub-score {_repr(key)} is not a finite number within "
                                             f"+-{MAX_ABS_REWARD:g}: {_repr(item)}")
+                if str(key) in parts:  # 1 and "1": one metric name, one would be lost from the sum
+                    return 0.0, {}, f"two sub-scores are named {str(key)!r}"
                 parts[str(key)] = number
             total = sum(parts.values())
             if not abs(total) <= MAX_ABS_REWARD:
