@@ -139,6 +139,18 @@ def test_draft_model_samples_are_the_same_bits_in_any_batch(model, tmp_path):
     assert batched.stats.num_accepted_tokens > 0
 
 
+def test_a_wide_mlp_is_invariant_when_a_sequence_decodes_alone(tmp_path):
+    """An MLP of 1536 (the engine benchmark's): oneDNN multiplied one row (a sequence decoding alone,
+    the last of a batch) by a kernel whose sums over 1536 inputs round otherwise than with company, so
+    invariance turned itself off on such CPUs (Zen 4); a lone row now takes the batch's kernel."""
+    path = make_hf_checkpoint(tmp_path / "wide", "qwen2", vocab_size=VOCAB, seed=13, intermediate_size=1536,
+                              with_tokenizer=False)
+    model = load_model(path)
+    prompts, params = _prompts()[:3], _sampled()[:3]
+    alone = _alone(_engine(model), prompts, params)
+    _assert_same_bits(_engine(model, max_num_batched_tokens=37).generate(prompts, params), alone)
+
+
 def test_an_engine_without_invariance_on_the_same_model_leaves_it_invariant(model, alone):
     """Per-engine choices (which rows a packed linear serves, the SiLU) are installed for each step by
     the engine that serves it, not left on the shared modules by the last engine built."""

@@ -178,7 +178,14 @@ class PackedLinear(nn.Linear):
 
 
 def _linear_packed(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """rows ``[M, K]`` times a reordered weight (``_reorder``) -> ``[M, N]`` (no autograd)."""
+    """rows ``[M, K]`` times a reordered weight (``_reorder``) -> ``[M, N]`` (no autograd).
+
+    A lone row goes in twice: oneDNN multiplies one row by a matrix-vector kernel whose sums round
+    otherwise than its matrix kernel's (Zen 4, K = 1536: the one row count of 1-64 that differed), so
+    a sequence decoding alone got other bits than in company; two rows take the matrix kernel, at
+    the same cost (one pass over the weight either way)."""
+    if rows.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1).contiguous(), packed, bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
