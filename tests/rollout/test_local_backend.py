@@ -90,6 +90,34 @@ def test_a_generator_that_dies_is_reported_with_its_traceback(tiny_policy):
         transport.close()
 
 
+def _report_how_a_started_program_takes_ctrl_c(path: str):
+    """A worker factory that starts a program, as a reward's sandbox does, records how that program
+    handles SIGINT, and fails (the test needs nothing more from the generator)."""
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    with open(path, "w") as f:
+        f.write(result.stdout.strip())
+    raise RuntimeError("reported")
+
+
+@pytest.mark.slow
+def test_programs_the_generator_starts_still_stop_on_ctrl_c(tiny_policy, tmp_path):
+    """The generator process leaves Ctrl-C to the trainer by a handler that does nothing, not by
+    ignoring SIGINT: an ignored signal stays ignored across exec, and a reward's sandbox that loops
+    would outlive the run."""
+    model, _ = tiny_policy
+    report = tmp_path / "sigint.txt"
+    transport = ProcessTransport(functools.partial(_report_how_a_started_program_takes_ctrl_c, str(report)),
+                                 SharedWeights(model.named_parameters()), num_threads=1)
+    try:
+        with pytest.raises(GeneratorCrashedError, match="reported"):
+            for _ in range(60):
+                transport.poll(1.0)
+    finally:
+        transport.close()
+    assert report.read_text() == "True"  # Python's KeyboardInterrupt handler, not SIG_IGN
+
+
 class _FloodingWorker:
     """Finishes eight 1 MB "groups", then idles: far more than a pipe (64 KB) holds while nobody polls."""
 

@@ -101,8 +101,15 @@ def _sigint_ignored() -> Iterator[None]:
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    finally:  # None: a handler set outside Python, which cannot be put back; Python's own then
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+def _leave_sigint_to_the_trainer(*_: Any) -> None:
+    """The generator process's SIGINT handler: nothing. Ctrl-C reaches the whole process group and the
+    trainer stops the generator; a handler (not SIG_IGN) because a caught signal is reset to its
+    default across exec, so programs the generator starts (a reward's sandbox, the kernels' compiler)
+    still stop on Ctrl-C."""
 
 
 class GeneratorCrashedError(RuntimeError):
@@ -133,7 +140,10 @@ class InProcessTransport:
     def __init__(self, worker: GeneratorWorker, run_ahead: bool = False) -> None:
         self.worker = worker
         self.run_ahead = run_ahead
-        self.counters = worker.counters
+
+    @property
+    def counters(self) -> GeneratorCounters:
+        return self.worker.counters  # the worker's own: load_state_dict replaces it
 
     def poll(self, timeout_s: float = 1.0) -> list[GroupRollout]:
         groups: list[GroupRollout] = []
@@ -238,8 +248,6 @@ def run_generator_process(make_worker: Callable[[], GeneratorWorker], weights: S
     ``stop`` is set or the process ``trainer_pid`` is gone. Returns True when stopped cleanly,
     False after reporting an error.
     """
-    if threading.current_thread() is threading.main_thread():  # a process of its own: Ctrl-C is the trainer's
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
     trainer = TrainerWatch(trainer_pid)
     if num_threads > 0:
         torch.set_num_threads(num_threads)
@@ -263,6 +271,7 @@ def _generator_process_main(*args: Any) -> None:
     OS frees shared memory with the process), so it exits at once: the interpreter's teardown of
     torch and transformers took ~0.6 s, all on the trainer's clock in ``close``. An error report
     takes the normal exit, whose queue feeder delivers it."""
+    signal.signal(signal.SIGINT, _leave_sigint_to_the_trainer)  # the process's main thread
     if run_generator_process(*args):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -287,7 +296,11 @@ class ProcessTransport:
         self._process = ctx.Process(target=_generator_process_main, name="tether-generator", daemon=True,
                                     args=(make_worker, weights, self._control, self._results, self._stop,
                                           num_threads, wait_for_handover, os.getpid()))
-        with _sigint_ignored():  # spawned (no forkserver): the child inherits it
+        # Spawned (no process server), the child inherits SIGINT ignored through its imports; a forked one
+        # inherits it from the server. (Around a forkserver's start, which waits for the server's
+        # imports, a Ctrl-C would be lost, not deferred.)
+        is_spawned = ctx.get_start_method() == "spawn"
+        with _sigint_ignored() if is_spawned else contextlib.nullcontext():
             self._process.start()
 
     def is_ready(self) -> bool:
