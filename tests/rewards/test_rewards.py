@@ -162,10 +162,11 @@ def test_numpy_and_torch_scalars_and_bools_are_numbers():
     import numpy as np
     import torch
 
-    values = iter([np.float32(0.25), torch.tensor(0.5), True])
+    values = iter([np.float32(0.25), torch.tensor(0.5), np.longdouble(0.75)])
     result = score(WeightedReward("mixed", lambda prompt, completion, **fields: next(values)))
-    assert result.totals == [0.25, 0.5, 1.0]
-    assert result.num_errors == {"mixed": 0}
+    assert result.totals == [0.25, 0.5, 0.75] and result.num_errors == {"mixed": 0}
+    result = score(WeightedReward("flag", lambda prompt, completion, **fields: True))
+    assert result.totals == [1.0, 1.0, 1.0] and result.num_errors == {"flag": 0}
 
 
 def test_numpy_text_is_not_a_number():
@@ -328,3 +329,10 @@ def test_a_reward_that_mutates_its_inputs_changes_nothing_for_later_calls():
     RewardComputer([WeightedReward("judge", judge)]).score([chat] * 3, COMPLETIONS, rows)
     assert seen == [(1, 1)] * 3
     assert chat == [{"role": "user", "content": "2+2="}] and rows[0] == {"answer": ["4"]}
+    # a field that cannot be copied (a lock, a connection, in rows given in memory) is passed as is
+    import threading
+
+    lock = threading.Lock()
+    result = RewardComputer([WeightedReward("locked", lambda prompt, completion, guard, **fields: float(
+        guard is lock))]).score(PROMPTS, COMPLETIONS, [{"guard": lock}] * 3)
+    assert result.totals == [1.0, 1.0, 1.0] and result.num_errors == {"locked": 0}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -106,8 +107,8 @@ def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
     # A dataset column named like a positional argument must not collide with it. Copies: the row and
     # a chat prompt are the dataset's own, shared by every sample of every epoch, and a reward that
     # appends to them (a judge building its messages) would change them for all later calls.
-    fields = copy.deepcopy({k: v for k, v in row.items() if k not in ("prompt", "completion")})
-    prompt = copy.deepcopy(prompt) if isinstance(prompt, (list, dict)) else prompt
+    fields = _private({k: v for k, v in row.items() if k not in ("prompt", "completion")})
+    prompt = _private(prompt) if isinstance(prompt, (list, dict)) else prompt
     try:
         value = fn(prompt, completion, **fields)
         if isinstance(value, dict):
@@ -139,6 +140,15 @@ def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
         return 0.0, {}, f"{type(exc).__name__}: {_str(exc)}"
 
 
+def _private(value: Any) -> Any:
+    """A deep copy of ``value``, or ``value`` itself where it cannot be copied (a field holding a lock
+    or a connection, in rows given in memory): scoring must not fail for it."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        return value
+
+
 def _repr(value: Any) -> str:
     try:
         return repr(value)[:200]
@@ -167,7 +177,7 @@ def _as_number(value: Any) -> float | None:
             value = value.item()  # a numpy scalar or 0-d array, a one-element tensor: its Python value
         except Exception:  # several elements, or a user type's item() that raises
             return None
-    if not isinstance(value, (int, float)):  # bool is an int
+    if isinstance(value, (str, bytes)) or not isinstance(value, numbers.Real):  # bool is an int
         return None
     try:
         number = float(value)

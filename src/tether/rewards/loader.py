@@ -55,17 +55,18 @@ def resolve_reward(spec: str, builtins: Mapping[str, RewardFn] | None = None) ->
 def _import(module_name: str, spec: str) -> Any:
     # From the working directory too, as `python -m` would: the `tether` console script puts its own
     # bin directory first on sys.path, not the directory it runs in.
-    is_added = os.getcwd() not in sys.path
+    cwd = os.getcwd()
+    is_added = cwd not in sys.path
     if is_added:
-        sys.path.insert(0, os.getcwd())
+        sys.path.insert(0, cwd)
     try:
         return importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # the user's module may fail in any way while importing
         raise ConfigError(f"rewards: cannot import {module_name!r} ({spec}): {type(exc).__name__}: "
                           f"{one_line(exc)}") from None
     finally:
-        if is_added:
-            sys.path.remove(os.getcwd())
+        if is_added and cwd in sys.path:  # the module may have changed directory, or sys.path
+            sys.path.remove(cwd)
 
 
 def _load_file(path_text: str, spec: str) -> Any:
