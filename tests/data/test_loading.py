@@ -291,6 +291,17 @@ def test_chat_rows_with_a_prompt_column_beside_their_messages(tmp_path):
     pairs = load_preferences(write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "2+2?", "chosen": [user, *reply("4")], "rejected": [user, *reply("5")], "score_chosen": 9.0}]))
     assert pairs == [PreferenceRecord([user], reply("4"), reply("5"), 0)]
+    # messages beside a completion column only (no prompt): still the messages
+    other = load_sft(write_jsonl(tmp_path / "o.jsonl", [{"messages": [user, *reply("4")], "completion": "x"}]))
+    assert (other[0].prompt, other[0].completion) == ([user], reply("4"))
+
+
+def test_an_empty_rejected_answer_is_a_preference_not_an_error(tmp_path):
+    """Only an SFT target must have text to learn; a preference pair's rejected answer may be empty."""
+    user, reply = {"role": "user", "content": "2+2?"}, lambda text: [{"role": "assistant", "content": text}]
+    rows = [{"chosen": [user, *reply("4")], "rejected": [user, *reply("")]},
+            {"prompt": [user], "chosen": reply("4"), "rejected": reply("")}]
+    assert [p.rejected for p in load_preferences(write_jsonl(tmp_path / "p.jsonl", rows))] == [reply("")] * 2
 
 
 def test_bad_preference_rows(in_tmp):

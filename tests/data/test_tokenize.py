@@ -113,8 +113,9 @@ def test_a_chat_template_that_refuses_the_conversation_names_the_row(char_tokeni
                        where="data.jsonl:7")
     with pytest.raises(DataError) as info:
         tokenize_sft(record, tokenizer, max_len=64)
-    assert str(info.value) == "data.jsonl:7: the chat template refuses this conversation (System role not supported)"
-    with pytest.raises(DataError, match=r"^the chat template refuses this conversation \(System role"):
+    assert str(info.value) == ("data.jsonl:7: the chat template refuses this conversation (TemplateError: System role "
+                               "not supported)")
+    with pytest.raises(DataError, match=r"^the chat template refuses this conversation \(TemplateError: System role"):
         tokenize_prompt(PromptRecord(record.prompt), tokenizer)
 
 

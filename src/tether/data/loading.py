@@ -35,6 +35,7 @@ from tether.data.records import (
     PromptRecord,
     SFTRecord,
     check_reply,
+    check_sft_reply,
     check_text,
     split_conversation,
     type_name,
@@ -99,15 +100,17 @@ def _sft_from_row(row: dict[str, Any], where: str, index: int) -> SFTRecord:
     # A column that is null in this row is absent from it (Parquet / datasets files merged from
     # sources of different formats carry every column in every row).
     row = {key: value for key, value in row.items() if value is not None}
-    # A chat row may carry a 'prompt' column beside its messages (ultrachat, no_robots): without a
-    # 'completion' the messages are the example.
-    if "messages" in row and "completion" not in row:
+    # A chat row may carry a 'prompt' or a 'completion' column beside its messages (ultrachat, no_robots
+    # carry the first user turn): unless the row has both, the messages are the example.
+    is_pair = "prompt" in row and "completion" in row
+    if "messages" in row and not is_pair:
         messages = check_text(row["messages"], where, "messages")
         if isinstance(messages, str):
             raise DataError(f"{where}: field 'messages' must be a list of chat messages, got str")
         prompt, completion = split_conversation(messages, where, "messages")
+        check_sft_reply(completion, where, "messages")
         return SFTRecord(prompt=prompt, completion=completion, index=index, where=where)
-    if "text" in row and "completion" not in row:
+    if "text" in row and not is_pair:
         text = check_text(row["text"], where, "text")
         if not isinstance(text, str):
             raise DataError(f"{where}: field 'text' must be a string, got list")
@@ -115,6 +118,7 @@ def _sft_from_row(row: dict[str, Any], where: str, index: int) -> SFTRecord:
     hint = " (SFT rows need 'prompt' and 'completion', or 'messages', or 'text')"
     prompt = check_text(_require(row, "prompt", where, hint), where, "prompt")
     completion = check_reply(_require(row, "completion", where, hint), prompt, where, "completion")
+    check_sft_reply(completion, where, "completion")
     return SFTRecord(prompt=prompt, completion=completion, index=index, where=where)
 
 

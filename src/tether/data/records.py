@@ -136,14 +136,14 @@ def check_reply(value: Any, prompt: Text, where: str, name: str) -> Text:
             raise DataError(
                 f"{where}: field '{name}' must end with an assistant message, got role '{reply[-1]['role']}'"
             )
-        _check_reply_content(reply, where, name)
     return reply
 
 
-def _check_reply_content(messages: list[Message], where: str, name: str) -> None:
-    """The last (assistant) message has text to learn: an empty one would train only the turn's end,
-    as an empty string ``completion`` is refused."""
-    if not messages[-1]["content"]:
+def check_sft_reply(messages: Text, where: str, name: str) -> None:
+    """An SFT target's last (assistant) message has text to learn: an empty one would train only the
+    turn's end, as an empty string ``completion`` is refused. (A preference pair's rejected answer may
+    be empty: a bad answer is what it shows.)"""
+    if isinstance(messages, list) and not messages[-1]["content"]:
         raise DataError(f"{where}: field '{name}' ends with an empty assistant message")
 
 
@@ -159,5 +159,4 @@ def split_conversation(messages: list[Message], where: str, name: str) -> tuple[
         )
     if len(messages) < 2:
         raise DataError(f"{where}: field '{name}' needs at least one message before the assistant reply")
-    _check_reply_content(messages, where, name)
     return messages[:-1], messages[-1:]

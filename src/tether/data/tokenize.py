@@ -177,7 +177,8 @@ def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_gener
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as error:  # a template's raise_exception(...) ("System role not supported"), a missing key
-        raise DataError(f"the chat template refuses this conversation ({one_line(error)})") from None
+        raise DataError(f"the chat template refuses this conversation ({type(error).__name__}: {one_line(error)})"
+                        ) from None
     assert isinstance(text, str)
     return text
 
