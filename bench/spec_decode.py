@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import sys
 import time
 from dataclasses import dataclass
@@ -87,8 +88,9 @@ def train_copy_model(num_layers: int, hidden_size: int, num_steps: int, seed: in
 def trained_copy_model(shape: tuple[int, int], num_steps: int, seed: int, cache_dir: Path | None):
     """``train_copy_model``, or its saved result from an earlier run with the same settings."""
     num_layers, hidden_size = shape
-    # Named by everything that shapes the result: a change to the recipe trains a new model.
-    recipe = hashlib.sha1(repr((COPY_CHARS, MAX_SEQ_LEN, LR, BATCH, NUM_EXAMPLES)).encode()).hexdigest()[:8]
+    # Named by the training recipe (this function's code and its constants): a change to it trains anew.
+    source = inspect.getsource(train_copy_model) + repr((COPY_CHARS, MAX_SEQ_LEN, LR, BATCH, NUM_EXAMPLES))
+    recipe = hashlib.sha1(source.encode()).hexdigest()[:8]
     name = f"copy-l{num_layers}-h{hidden_size}-s{num_steps}-seed{seed}-{recipe}"
     path = None if cache_dir is None else cache_dir / name
     if path is not None and (path / "config.json").is_file():
