@@ -166,7 +166,7 @@ def build_rewards(config: ExperimentConfig, task: Task | None) -> RewardComputer
     builtins = {"task": task.reward} if task is not None else {}
     if task is None and any(spec.fn == "task" for spec in config.rewards):
         raise ConfigError("rewards: 'task' needs a built-in data.task; name a reward function instead")
-    return RewardComputer([WeightedReward(spec.fn, resolve_reward(spec.fn, builtins), spec.weight)
+    return RewardComputer([WeightedReward(spec.metric_name, resolve_reward(spec.fn, builtins), spec.weight)
                            for spec in config.rewards])
 
 

@@ -339,3 +339,18 @@ def test_a_reward_listed_twice_is_refused():
     """Its metrics and error counts are keyed by name: two entries would share (and miscount) them."""
     message = config_error(overrides=["rewards=[{fn: task, weight: 1.0}, {fn: task, weight: 0.5}]"])
     assert "'task' is listed twice" in message and "weights summed" in message
+
+
+def test_a_reward_file_is_named_in_metrics_by_its_stem_and_function(tmp_path):
+    """A path's '/' would read as sub-score separators in `reward/<name>/...`; a `name` overrides."""
+    from tether.builders import build_rewards, build_task
+
+    rewards = tmp_path / "checks" / "fmt_rewards.py"
+    rewards.parent.mkdir()
+    rewards.write_text("def ok(prompt, completion, **fields):\n    return 1.0\n")
+    config = load_config(None, [f"rewards=[{{fn: '{rewards}:ok'}}, {{fn: task, name: exact}}]"])
+    assert [spec.metric_name for spec in config.rewards] == ["fmt_rewards:ok", "exact"]
+    metrics = build_rewards(config, build_task(config.data)).score(["1+1="], ["2"], [{"answer": "2"}]).metrics()
+    assert {"reward/fmt_rewards:ok/mean", "reward/exact/mean"} <= set(metrics)
+    assert config_error(overrides=["rewards=[{fn: task, name: x/y}]"]).startswith(
+        "config: rewards.0.name: must be non-empty, without '/'")

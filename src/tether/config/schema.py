@@ -8,6 +8,7 @@ plain arguments.
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any, Literal, get_args
 
 import torch
@@ -259,6 +260,24 @@ class LoggingSection(Section):
 class RewardSpec(Section):
     fn: str = Field(description="A built-in reward name, `module:function`, or `path/file.py:function`.")
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
+    name: str | None = Field(None, description="Its name in metrics (`reward/<name>/mean`) and error reports. "
+                             "Default: `fn`; for a file, its stem and the function (`path/checks.py:fmt` -> "
+                             "`checks:fmt`).")
+
+    @field_validator("name")
+    @classmethod
+    def _name_has_no_slash(cls, name: str | None) -> str | None:
+        if name is not None and (not name or "/" in name):
+            raise ValueError("must be non-empty, without '/' (it separates a reward's sub-scores in metric names)")
+        return name
+
+    @property
+    def metric_name(self) -> str:
+        """``name``, else ``fn`` (a file's path shortened to its stem: its '/' would read as sub-scores)."""
+        if self.name is not None:
+            return self.name
+        target, sep, function = self.fn.rpartition(":")
+        return f"{PurePath(target).stem}:{function}" if sep and target.endswith(".py") else self.fn
 
 
 class ExperimentConfig(Section):
@@ -282,10 +301,11 @@ class ExperimentConfig(Section):
     @classmethod
     def _each_reward_once(cls, rewards: list[RewardSpec]) -> list[RewardSpec]:
         """A reward's name keys its metrics and error counts: listed twice, the two would share them."""
-        names = [spec.fn for spec in rewards]
+        names = [spec.metric_name for spec in rewards]
         twice = next((name for name in names if names.count(name) > 1), None)
         if twice is not None:
-            raise ValueError(f"{twice!r} is listed twice; list it once, with the weights summed")
+            raise ValueError(f"{twice!r} is listed twice; list it once, with the weights summed (or give "
+                             "each a `name`)")
         return rewards
 
     @field_validator("name")
