@@ -43,6 +43,12 @@ def test_builtin_exact_match():
     assert exact_match("2+2=", " 4 ", answer="4") == 1.0
     assert exact_match("2+2=", "40", answer="4") == 0.0
     assert exact_match("2+2=", "4", answer=4) == 1.0  # a numeric answer column still compares as text
+    # a float column (Parquet, pandas: 85 read as 85.0) and a list of accepted answers
+    assert exact_match("p", "85", answer=85.0) == exact_match("p", "85.0", answer=85.0) == 1.0
+    assert exact_match("p", "2.5", answer=2.5) == 1.0 and exact_match("p", "3", answer=2.5) == 0.0
+    assert exact_match("p", "four", answer=["4", "four"]) == 1.0 and exact_match("p", "5", answer=["4", 4]) == 0.0
+    odd = RewardComputer([WeightedReward("exact_match", exact_match)]).score(["p"], ["4"], [{"answer": {"v": 4}}])
+    assert odd.num_errors == {"exact_match": 1} and "must be a string, a number or a list" in odd.first_error
     result = score(WeightedReward("exact_match", exact_match))
     assert result.totals == [1.0, 1.0, 0.0]
     # A row without an answer (no column, a null in a table) is counted, not scored a silent 0.

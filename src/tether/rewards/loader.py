@@ -22,15 +22,31 @@ RewardFn = Callable[..., Any]
 
 
 def exact_match(prompt: str, completion: str, answer: Any = None, **fields: Any) -> float:
-    """1.0 when the completion, stripped, equals the row's ``answer`` field. A row without an answer
-    (no such column, or null) is an error, counted in ``reward/errors``, not a silent 0.
+    """1.0 when the completion, stripped, equals the row's ``answer`` field: a string, a number
+    (written as JSON writes it: ``85.0`` matches "85" and "85.0") or a list of accepted answers. A
+    row without an answer (no such column, or null) or of another type is an error, counted in
+    ``reward/errors``, not a silent 0.
 
-    >>> exact_match("2+2=", " 4 ", answer="4")
+    >>> exact_match("2+2=", " 4 ", answer="4"), exact_match("2+2=", "4", answer=4.0)
+    (1.0, 1.0)
+    >>> exact_match("2+2=", "four", answer=["4", "four"])
     1.0
     """
     if answer is None:
         raise ValueError("the row has no 'answer' field (or it is null) to compare with")
-    return float(answers_match(completion, str(answer)))
+    accepted = answer if isinstance(answer, (list, tuple)) else [answer]
+    return float(any(answers_match(completion, text) for item in accepted for text in _answer_texts(item)))
+
+
+def _answer_texts(answer: Any) -> list[str]:
+    """The spellings an answer matches: its string, or a number's (``4.0`` as "4" too)."""
+    if isinstance(answer, str):
+        return [answer]
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        raise ValueError(f"the row's answer must be a string, a number or a list of them, got {answer!r}"[:200])
+    if isinstance(answer, float) and answer.is_integer():
+        return [str(answer), str(int(answer))]
+    return [str(answer)]
 
 
 BUILTIN_REWARDS: Mapping[str, RewardFn] = {"exact_match": exact_match}
