@@ -163,6 +163,29 @@ def test_a_stop_string_does_not_match_a_special_tokens_text():
     assert finish_reason(seq, 100, CharTokenizer()) == "stop"
 
 
+class PieceTokenizer:
+    """A SentencePiece-style decoder (Llama 2, Mistral): "▁" is a word-start space, and the text's
+    first space is dropped (transformers' Strip decoder), so a word decodes without its space alone."""
+
+    PIECES = {1: "▁Q:", 2: "▁Answer", 3: ":", 4: "▁4"}
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = "".join(self.PIECES[t] for t in token_ids).replace("▁", " ")
+        return text[1:] if text.startswith(" ") else text
+
+
+def test_a_stop_string_with_a_word_start_space_matches_the_completions_first_word():
+    """The completion's first token "▁Answer" reads " Answer" after the prompt, "Answer" alone."""
+    seq = make_seq([1], SamplingParams(stop_strings=(" Answer",)))  # prompt "Q:"
+    seq.append_token(2, -1.0, 0)
+    assert finish_reason(seq, 100, PieceTokenizer()) == "stop"
+    plain = make_seq([1], SamplingParams(stop_strings=("Q: Answer", " 4")))  # the prompt's text never matches
+    plain.append_token(2, -1.0, 0)
+    assert finish_reason(plain, 100, PieceTokenizer()) is None
+    plain.append_token(4, -1.0, 0)  # " 4", in the middle: as before
+    assert finish_reason(plain, 100, PieceTokenizer()) == "stop"
+
+
 class ByteTokenizer:
     """A token per UTF-8 byte, as byte-level BPE falls back to for characters it has no merge for."""
 

@@ -33,6 +33,7 @@ from tether.engine.types import FinishReason, SamplingParams
 # spend a token on each: 3 for a CJK character, 4 for an emoji), plus this many for tokens that decode
 # to nothing on their own, without decoding the whole completion every step.
 _STOP_WINDOW_EXTRA_TOKENS = 8
+_STOP_CONTEXT_TOKENS = 4  # decoded before a stop string's window, for the window's first word (_has_stop_string)
 _CDF_CHUNK = 256  # tokens per chunk of the two-level inverse-CDF search
 _SAMPLE_ROW_BLOCK = 16  # rows per block of the unfiltered sampler's passes (see _sample_plain)
 
@@ -286,6 +287,14 @@ def _has_stop_string(seq: Sequence, tokenizer: Detokenizer) -> bool:
     stop string "os" does not match ``<eos>``; stop a special token by its id (``stop_token_ids``)."""
     stop_strings = seq.params.stop_strings
     num_window = max(len(s.encode("utf-8")) for s in stop_strings) + _STOP_WINDOW_EXTRA_TOKENS
-    window = seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - num_window) :]
-    tail = tokenizer.decode(window, skip_special_tokens=True)
+    start = max(seq.num_prompt_tokens, seq.num_tokens - num_window)
+    window = seq.token_ids[start:]
+    # Decoded after a few tokens of context, whose text is then cut off: a SentencePiece tokenizer
+    # (Llama 2, Mistral) drops the word-start space of a text's first token, so a completion's first
+    # word " Answer" decoded alone reads "Answer" and a stop string " Answer" never matched it.
+    context = seq.token_ids[max(0, start - _STOP_CONTEXT_TOKENS) : start]
+    text = tokenizer.decode(context + window, skip_special_tokens=True)
+    prefix = tokenizer.decode(context, skip_special_tokens=True)
+    # (Context that ends inside a character's bytes decodes to a replacement character: then alone.)
+    tail = text[len(prefix) :] if text.startswith(prefix) else tokenizer.decode(window, skip_special_tokens=True)
     return any(s in tail for s in stop_strings)
