@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from tether.config.schema import ExperimentConfig
 from tether.errors import ConfigError
+from tether.rewards.loader import reward_file
 
 
 class _Loader(yaml.SafeLoader):
@@ -210,9 +211,9 @@ def _with_absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
     for key in ("train", "eval"):
         data["data"][key] = absolute(data["data"].get(key))
     for reward in data.get("rewards", []):
-        target, sep, name = str(reward.get("fn", "")).rpartition(":")
-        if sep and target.endswith(".py"):
-            reward["fn"] = f"{absolute(target)}:{name}"
+        file = reward_file(str(reward.get("fn", "")))
+        if file:
+            reward["fn"] = f"{absolute(file[0])}:{file[1]}"
     return data
 
 

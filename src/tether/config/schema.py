@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from tether.algorithms import ADVANTAGES, AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
 from tether.engine.types import MIN_TEMPERATURE
 from tether.errors import ConfigError
+from tether.rewards.loader import reward_file
 
 
 def _types_in(annotation: object) -> set[object]:
@@ -276,8 +277,8 @@ class RewardSpec(Section):
         """``name``, else ``fn`` (a file's path shortened to its stem: its '/' would read as sub-scores)."""
         if self.name is not None:
             return self.name
-        target, sep, function = self.fn.rpartition(":")
-        return f"{PurePath(target).stem}:{function}" if sep and target.endswith(".py") else self.fn
+        file = reward_file(self.fn)
+        return f"{PurePath(file[0]).stem}:{file[1]}" if file else self.fn
 
 
 class ExperimentConfig(Section):

@@ -61,11 +61,17 @@ def resolve_reward(spec: str, builtins: Mapping[str, RewardFn] | None = None) ->
     if not sep or not target or not name:
         raise ConfigError(f"rewards: unknown reward {spec!r}; use one of {sorted(table)}, "
                           "'module:function' or 'path/file.py:function'")
-    module = _load_file(target, spec) if target.endswith(".py") else _import(target, spec)
+    module = _load_file(target, spec) if reward_file(spec) else _import(target, spec)
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"rewards: {target} has no function {name!r} ({spec})")
     return fn
+
+
+def reward_file(spec: str) -> tuple[str, str] | None:
+    """(the file, the function) of a ``path/file.py:function`` spec; None for any other spec."""
+    target, sep, name = spec.rpartition(":")
+    return (target, name) if sep and target.endswith(".py") else None
 
 
 def _import(module_name: str, spec: str) -> Any:
