@@ -5,7 +5,7 @@ hang off the same ``log`` call. Metric names are public interface; the ones a st
 
 ``step``, ``reward/mean``, ``reward/std``, ``loss/policy``, ``kl/ref``, ``entropy``, ``grad_norm``,
 ``response_length/mean``, ``time/step_s``, ``throughput/gen_tokens_per_s``,
-``throughput/train_tokens_per_s``, ``throughput/step_tokens_per_s`` (plus ``lr``, ``reward/<fn>/mean``,
+``throughput/train_tokens_per_s``, ``throughput/step_tokens_per_s`` (plus ``lr``, ``reward/<name>/mean``,
 ``reward/errors`` ...).
 
 ``throughput/step_tokens_per_s`` (completion tokens trained on over the step's time) means the same in

@@ -78,16 +78,20 @@ def _failing_worker():
     raise RuntimeError("engine could not be built")
 
 
-@pytest.mark.slow
-def test_a_generator_that_dies_is_reported_with_its_traceback(tiny_policy):
-    model, _ = tiny_policy
-    transport = ProcessTransport(_failing_worker, SharedWeights(model.named_parameters()), num_threads=1)
+def _expect_crash(make_worker, model, match: str) -> None:
+    """A generator process whose worker factory raises: the trainer's polls report it, with ``match``."""
+    transport = ProcessTransport(make_worker, SharedWeights(model.named_parameters()), num_threads=1)
     try:
-        with pytest.raises(GeneratorCrashedError, match="engine could not be built"):
+        with pytest.raises(GeneratorCrashedError, match=match):
             for _ in range(60):
                 transport.poll(1.0)
     finally:
         transport.close()
+
+
+@pytest.mark.slow
+def test_a_generator_that_dies_is_reported_with_its_traceback(tiny_policy):
+    _expect_crash(_failing_worker, tiny_policy[0], "engine could not be built")
 
 
 def _report_how_a_started_program_takes_ctrl_c(path: str):
@@ -105,16 +109,9 @@ def test_programs_the_generator_starts_still_stop_on_ctrl_c(tiny_policy, tmp_pat
     """The generator process leaves Ctrl-C to the trainer by a handler that does nothing, not by
     ignoring SIGINT: an ignored signal stays ignored across exec, and a reward's sandbox that loops
     would outlive the run."""
-    model, _ = tiny_policy
     report = tmp_path / "sigint.txt"
-    transport = ProcessTransport(functools.partial(_report_how_a_started_program_takes_ctrl_c, str(report)),
-                                 SharedWeights(model.named_parameters()), num_threads=1)
-    try:
-        with pytest.raises(GeneratorCrashedError, match="reported"):
-            for _ in range(60):
-                transport.poll(1.0)
-    finally:
-        transport.close()
+    _expect_crash(functools.partial(_report_how_a_started_program_takes_ctrl_c, str(report)), tiny_policy[0],
+                  "reported")
     assert report.read_text() == "True"  # Python's KeyboardInterrupt handler, not SIG_IGN
 
 

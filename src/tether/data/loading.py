@@ -210,11 +210,11 @@ def _read_parquet(path: Path) -> Iterator[Row]:
     while True:
         try:
             batch = next(batches, None)
-            rows = batch.to_pylist() if batch is not None else []
+            if batch is None:
+                return
+            rows = batch.to_pylist()
         except Exception as e:  # a corrupt page shows only when its batch is read
             raise DataError(f"{path}: cannot read Parquet file at row {row_number} ({one_line(e)})") from None
-        if batch is None:
-            return
         for row in rows:
             yield f"{path}:row {row_number}", row
             row_number += 1

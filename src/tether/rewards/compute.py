@@ -108,7 +108,7 @@ def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
     # a chat prompt are the dataset's own, shared by every sample of every epoch, and a reward that
     # appends to them (a judge building its messages) would change them for all later calls.
     fields = _private({k: v for k, v in row.items() if k not in ("prompt", "completion")})
-    prompt = _private(prompt) if isinstance(prompt, (list, dict)) else prompt
+    prompt = _private(prompt)  # a string is its own copy
     try:
         value = fn(prompt, completion, **fields)
         if isinstance(value, dict):
