@@ -77,6 +77,30 @@ def test_reinforce_pp_baseline_group_mean_then_batch_std():
     torch.testing.assert_close(reinforce_pp_baseline(REWARDS, 4), centred / (0.5 + 1e-6))
 
 
+def _masked_whiten(values, mask):
+    """verl's ``masked_whiten`` (unbiased variance) of token-level advantages under the response mask."""
+    mean = (values * mask).sum() / mask.sum()
+    var = ((values - mean) ** 2 * mask).sum() / (mask.sum() - 1)
+    return (values - mean) * torch.rsqrt(var + 1e-12)
+
+
+@pytest.mark.parametrize("name", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_reinforce_pp_normalises_over_tokens_as_verl(name):
+    """Long correct answers, short wrong ones: a sequence weighs as many tokens as it has, so the
+    advantages equal verl's whitening of the per-token advantages (not one value per sequence)."""
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0])  # 3 groups of 2
+    lengths = torch.tensor([10, 10, 1, 1, 10, 0])  # the last completion is empty: it weighs nothing
+    mask = (torch.arange(10)[None] < lengths[:, None]).float()  # [B, T]
+    per_sequence = rewards.view(-1, 2) - rewards.view(-1, 2).mean(1, keepdim=True) if name.endswith(
+        "baseline") else rewards.view(-1, 2)
+    expected = _masked_whiten(per_sequence.reshape(-1, 1) * mask, mask)[:, 0]
+    out = ADVANTAGES.get(name)(rewards, 2, lengths=lengths, eps=0.0)
+    torch.testing.assert_close(out[:5], expected[:5])
+    # One token each: the per-sequence whitening.
+    torch.testing.assert_close(ADVANTAGES.get(name)(rewards, 2, lengths=torch.ones(6, dtype=torch.long)),
+                               ADVANTAGES.get(name)(rewards, 2))
+
+
 def test_group_size_one_is_a_config_error_where_a_baseline_needs_peers():
     with pytest.raises(ConfigError, match="group_size must be >= 2"):
         grpo(torch.tensor([1.0, 0.0]), 1)

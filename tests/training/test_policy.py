@@ -92,6 +92,19 @@ def test_sharing_prompts_leaves_the_update_unchanged(model_dir, micro_batch_toke
     assert shared_metrics["mismatch/k3"] == pytest.approx(separate_metrics["mismatch/k3"], abs=1e-7)
 
 
+def test_a_micro_batch_of_empty_completions_adds_no_gradient(model_dir):
+    """Rows without completion tokens split off into a micro-batch of their own: it has no graph to
+    backpropagate, and the update equals the one of the whole batch in one pass."""
+    model = load_model(model_dir)
+    batch = _batch(model)
+    empty = torch.arange(batch.num_seqs) >= 4  # the second group's samples
+    batch.mask = batch.mask & ~empty[:, None]
+    full, _ = _grads_after_step(model, batch, micro_batch_tokens=10_000, loss_agg="token_mean")
+    split, _ = _grads_after_step(model, batch, micro_batch_tokens=3, loss_agg="token_mean")
+    for name in full:
+        torch.testing.assert_close(full[name], split[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_aggregation_weights_reproduce_the_aggregation():
     mask = torch.tensor([[True, True, False], [True, False, False]])
     losses = torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])

@@ -3,7 +3,9 @@
 Shapes: ``rewards: FloatTensor[B]`` with ``B = num_groups * group_size`` and the samples of one
 prompt in consecutive rows -> ``advantages: FloatTensor[B]`` (fp32). The trainer broadcasts a
 sequence's advantage over its completion tokens. Every estimator has the signature
-``fn(rewards, group_size, **kw)`` so the trainer can call whichever the config names.
+``fn(rewards, group_size, *, lengths=None, **kw)`` so the loop can call whichever the config names;
+``lengths: LongTensor[B]`` are the completions' token counts, which only the estimators that
+normalise over tokens (``reinforce_pp``, ``reinforce_pp_baseline``) read.
 
 With a group baseline (all but ``reinforce_pp``), a group whose rewards are all equal carries no
 learning signal: its advantages are exactly 0 (never NaN, never eps-amplified rounding noise from
@@ -23,7 +25,8 @@ DEFAULT_EPS = 1e-6
 
 
 class AdvantageFn(Protocol):
-    def __call__(self, rewards: torch.Tensor, group_size: int, **kw: float | bool) -> torch.Tensor: ...
+    def __call__(self, rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | None = None,
+                 **kw: float | bool) -> torch.Tensor: ...
 
 
 def _grouped(rewards: torch.Tensor, group_size: int, *, min_group_size: int = 1) -> torch.Tensor:
@@ -48,7 +51,8 @@ def _centered(grouped: torch.Tensor) -> torch.Tensor:
 
 @ADVANTAGES.register("grpo")
 def grpo(
-    rewards: torch.Tensor, group_size: int, *, eps: float = DEFAULT_EPS, scale_by_std: bool = True
+    rewards: torch.Tensor, group_size: int, *, eps: float = DEFAULT_EPS, scale_by_std: bool = True,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO: A_i = (r_i - mean_g(r)) / (std_g(r) + eps). rewards [B] -> [B].
 
@@ -65,7 +69,7 @@ def grpo(
 
 
 @ADVANTAGES.register("dr_grpo")
-def dr_grpo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def dr_grpo(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Dr. GRPO: A_i = r_i - mean_g(r), no std division. rewards [B] -> [B].
 
     Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective", section 3.1:
@@ -75,7 +79,7 @@ def dr_grpo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 @ADVANTAGES.register("rloo")
-def rloo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def rloo(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """RLOO: A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_g(r)). rewards [B] -> [B].
 
     Leave-one-out baseline of Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!",
@@ -85,33 +89,50 @@ def rloo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (_centered(grouped) * (group_size / (group_size - 1))).reshape(-1)
 
 
-def _whiten(values: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the whole batch; a constant batch gives exactly 0. [B] -> [B]."""
-    centered = values - values.mean()
-    if values.numel() < 2:
+def _whiten(values: torch.Tensor, lengths: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the batch's completion tokens; a constant batch gives exactly 0.
+
+    values [B], lengths [B] or None -> [B]. A sequence's value stands for each of its ``lengths``
+    tokens, so the mean and the (Bessel-corrected) std are over tokens, as verl's and OpenRLHF's
+    ``masked_whiten`` of token-level advantages under the response mask; a row without tokens weighs
+    nothing. ``lengths=None`` weighs every sequence once."""
+    values = values.float()
+    weights = torch.ones_like(values) if lengths is None else lengths.to(values.device, torch.float32)
+    if weights.shape != values.shape:
+        raise ValueError(f"lengths must be [B] like rewards, got {tuple(weights.shape)} for {tuple(values.shape)}")
+    count = weights.sum()
+    if count < 2:
         return torch.zeros_like(values)
-    is_constant = values.amax() == values.amin()
-    scaled = centered / (values.std(unbiased=True) + eps)
+    counted = weights > 0
+    mean = (weights * values).sum() / count
+    centered = values - mean
+    std = ((weights * centered.square()).sum() / (count - 1)).sqrt()
+    is_constant = values[counted].amax() == values[counted].amin()
+    scaled = centered / (std + eps)
     return torch.where(is_constant, torch.zeros_like(scaled), scaled)
 
 
 @ADVANTAGES.register("reinforce_pp")
-def reinforce_pp(rewards: torch.Tensor, group_size: int, *, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """REINFORCE++: rewards whitened over the whole batch, (r - mean_B) / (std_B + eps). [B] -> [B].
+def reinforce_pp(rewards: torch.Tensor, group_size: int, *, eps: float = DEFAULT_EPS,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++: rewards whitened over the batch's tokens, (r - mean) / (std + eps). [B] -> [B].
 
     Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
-    section 3 (global advantage normalisation). ``group_size`` only checks the batch layout.
+    section 3 (global advantage normalisation): the advantages normalised are per token, so a
+    sequence counts once per completion token (``lengths``), as in OpenRLHF and verl. ``group_size``
+    only checks the batch layout.
     """
-    return _whiten(_grouped(rewards, group_size).reshape(-1), eps)
+    return _whiten(_grouped(rewards, group_size).reshape(-1), lengths, eps)
 
 
 @ADVANTAGES.register("reinforce_pp_baseline")
 def reinforce_pp_baseline(
-    rewards: torch.Tensor, group_size: int, *, eps: float = DEFAULT_EPS
+    rewards: torch.Tensor, group_size: int, *, eps: float = DEFAULT_EPS, lengths: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """REINFORCE++-baseline: subtract the group mean, then whiten over the batch. [B] -> [B].
+    """REINFORCE++-baseline: subtract the group mean, then whiten over the batch's tokens. [B] -> [B].
 
-    Hu 2025, REINFORCE++ (v3+), "REINFORCE++-baseline" for group sampling: the group mean removes
-    the prompt's difficulty, the batch std keeps the scale stable without GRPO's per-group std.
+    Hu 2025, REINFORCE++ (v3+), "REINFORCE++-baseline" for group sampling: the group mean (over
+    sequences) removes the prompt's difficulty, the batch std over tokens (as ``reinforce_pp``)
+    keeps the scale stable without GRPO's per-group std.
     """
-    return _whiten(_centered(_grouped(rewards, group_size)).reshape(-1), eps)
+    return _whiten(_centered(_grouped(rewards, group_size)).reshape(-1), lengths, eps)

@@ -37,7 +37,7 @@ class AsyncRLComponents:
     transport: GeneratorTransport
     trainer: PolicyTrainer
     buffer: RolloutBuffer
-    advantage_fn: Callable[..., torch.Tensor]  # registry entry: (rewards[B], group_size) -> [B]
+    advantage_fn: Callable[..., torch.Tensor]  # registry entry: (rewards[B], group_size, lengths=[B]) -> [B]
     groups_per_batch: int
     group_size: int
     poll_timeout_s: float = 0.5
@@ -104,7 +104,8 @@ def groups_to_batch(groups: list[GroupRollout], advantage_fn: Callable[..., torc
             completion.prompt_index = index  # rows of group i point at prompt i
             completions.append(completion)
     rewards = torch.tensor(scores.totals, dtype=torch.float32)  # [B * G]
-    advantages = advantage_fn(rewards, group_size)  # [B * G], groups consecutive
+    lengths = torch.tensor([comp.num_tokens for comp in completions])  # [B * G] completion tokens
+    advantages = advantage_fn(rewards, group_size, lengths=lengths)  # [B * G], groups consecutive
     return build_rollout_batch([g.prompt_ids for g in groups], completions, rewards, advantages, group_size)
 
 

@@ -50,7 +50,7 @@ class RLComponents:
     prompts: DataCursor[PromptRecord]
     encode: Callable[[PromptRecord], list[int]]  # prompt record -> token ids
     decode: Callable[[list[int]], str]  # completion ids -> text for reward functions
-    advantage_fn: Callable[..., torch.Tensor]  # registry entry: (rewards[B], group_size) -> [B]
+    advantage_fn: Callable[..., torch.Tensor]  # registry entry: (rewards[B], group_size, lengths=[B]) -> [B]
     sampling: SamplingParams  # with n = group size
     prompts_per_step: int
 
@@ -115,7 +115,8 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
     state.first_reward_error = state.first_reward_error or scored.first_error
     rewards = torch.tensor(scored.totals, dtype=torch.float32)
     group_size = c.sampling.n
-    advantages = c.advantage_fn(rewards, group_size)  # advantages
+    lengths = torch.tensor([comp.num_tokens for comp in completions])  # [B] completion tokens
+    advantages = c.advantage_fn(rewards, group_size, lengths=lengths)  # advantages
 
     batch = build_rollout_batch(prompt_ids, completions, rewards, advantages, group_size)
     lags = state.policy_version - torch.tensor([oldest_token_version(comp, state.policy_version)

@@ -233,7 +233,9 @@ class PolicyTrainer:
             kl_tokens = torch.where(kl_mask, kl, 0.0)
             loss_tokens = loss_tokens + s.kl_coef * kl_tokens
         w = weights[index]
-        (w * loss_tokens).sum().backward()
+        loss = (w * loss_tokens).sum()
+        if loss.requires_grad:  # a micro-batch of empty completions has no graph and no gradient
+            loss.backward()
         loss_tokens, kl_tokens = loss_tokens.detach(), kl_tokens.detach()
         num_tokens = float(mask.sum())
         # ppo/* are means over the tokens the loss scored: kept, with finite log-probs under both
