@@ -445,3 +445,18 @@ def test_a_draft_model_that_overflows_leaves_no_trace(paths, overflowing):
     assert [c.finish_reason for c in bad] == (["error"] if "target" in overflowing else ["length"])
     assert used.proposer.runner.cache.nonfinite_blocks() == [] and used.runner.cache.nonfinite_blocks() == []
     assert_same_completions(used.generate(healthy, params), reference)
+
+
+def test_a_draft_of_a_shorter_context_drafts_up_to_it_then_plain_steps(paths, plain_greedy, tmp_path):
+    """The target's weights as a draft of 12 positions beside the target's 512: the engine starts (vLLM's
+    does too), the draft proposes while a sequence's proposal fits its context, and greedy output
+    equals plain decoding."""
+    short = make_hf_checkpoint(tmp_path / "short", "qwen2", seed=3, max_position_embeddings=12)
+    engine = make_engine(paths["target"], "draft", short)
+    assert engine.max_model_len > 12
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=20, n=2))
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain_greedy]
+    # The same weights with the target's context draft longer: the short draft stopped at its end.
+    full = make_engine(paths["target"], "draft", paths["target"])
+    full.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=20, n=2))
+    assert 0 < engine.stats.num_draft_tokens < full.stats.num_draft_tokens

@@ -65,9 +65,13 @@ class EngineConfig:
     # invariant or not). "auto": on where that path is available, else off; True: an error where it
     # is not; False: off (MKL's few-row kernels and F.silu round a row by the batch's shape, ~1e-6).
     batch_invariant: bool | str = "auto"
-    # Speculative decoding (exact: the output distribution is the target's; greedy output unchanged, and
-    # with prompt lookup a seeded request's samples too):
-    # "ngram" proposes by prompt lookup, "draft" by a small model passed as LLMEngine(draft_model=...).
+    # Speculative decoding (exact: the output distribution is the target's). Greedy output, and with
+    # prompt lookup a seeded request's samples, equal non-speculative decoding's bit for bit where the
+    # engine is batch-invariant (``LLMEngine.is_batch_invariant``); elsewhere (bf16, GPU) a verified
+    # span's logits round differently from a decode row's, so a near-tie may flip, as batch
+    # composition flips it in plain decoding.
+    # "ngram" proposes by prompt lookup, "draft" by a small model passed as LLMEngine(draft_model=...),
+    # which may have a shorter context than the target's (it stops drafting where a sequence passes it).
     speculative: str | None = None
     num_speculative_tokens: int = 4  # draft tokens verified per decode step (k)
     ngram_max: int = 4  # prompt lookup matches the last n tokens, n from ngram_max down to ngram_min

@@ -89,7 +89,7 @@ class LLMEngine:
             model, num_blocks, config.block_size, config.cpu_pack_lm_head, config.cpu_pack_linears,
             config.cpu_native_attention, config.batch_invariant,
         )
-        self.proposer = build_proposer(config, model, draft_model, num_blocks, self.max_model_len)
+        self.proposer = build_proposer(config, model, draft_model, num_blocks)
         self._draft_runner: ModelRunner | None = getattr(self.proposer, "runner", None)  # a draft model's
         draft = self._draft_runner  # EngineConfig.batch_invariant holds for the target's forward and any draft's
         self.is_batch_invariant = self.runner.is_batch_invariant and (draft is None or draft.is_batch_invariant)

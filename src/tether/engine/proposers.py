@@ -130,6 +130,7 @@ class DraftModelProposer:
         batch_invariant: bool | str = False,
     ) -> None:
         self.num_tokens = num_tokens
+        self.max_context = draft_model.config.max_position_embeddings  # positions the draft was trained on
         self.runner = ModelRunner(draft_model, num_blocks, block_size, is_lm_head_packed, pack_layer_linears,
                                   native_attention, batch_invariant)
 
@@ -137,6 +138,12 @@ class DraftModelProposer:
         self, seqs: list[Sequence], max_num_tokens: list[int], block_copies: list[tuple[int, int]]
     ) -> list[Proposal]:
         self.runner.cache.copy_blocks(block_copies)  # keep the draft pool in step with the target's
+        for seq, num in zip(seqs, max_num_tokens):
+            # A draft of a shorter context than the target's stops drafting for a sequence whose
+            # proposal would reach past it (as vLLM does): its later tokens are plain steps.
+            drafted = min(self.num_tokens, num) + (not seq.params.is_greedy)
+            if seq.num_tokens + drafted - 1 > self.max_context:  # the last draft step's last position + 1
+                seq.is_draft_off = True
         limits = [0 if seq.is_draft_off else min(self.num_tokens, num) for seq, num in zip(seqs, max_num_tokens)]
         num_steps = [0 if seq.is_draft_off else limit + (not seq.params.is_greedy)  # + the tail
                      for seq, limit in zip(seqs, limits)]
@@ -193,7 +200,6 @@ def build_proposer(
     model: DecoderModel,
     draft_model: DecoderModel | None,
     num_blocks: int,
-    max_model_len: int,
 ) -> Proposer | None:
     if config.speculative == "ngram" and draft_model is None:
         return NgramProposer(config.ngram_max, config.ngram_min, config.num_speculative_tokens)
@@ -215,11 +221,6 @@ def build_proposer(
         raise ConfigError(
             f"draft model is on {draft_device} but the target model on {target_device}; speculative decoding "
             "needs both on one device (move the draft with .to())"
-        )
-    if draft_model.config.max_position_embeddings < max_model_len:
-        raise ConfigError(
-            f"draft model max_position_embeddings {draft_model.config.max_position_embeddings} is below "
-            f"engine.max_model_len={max_model_len}"
         )
     return DraftModelProposer(
         draft_model, config.num_speculative_tokens, num_blocks=num_blocks, block_size=config.block_size,
