@@ -49,6 +49,14 @@ def test_train_help_shows_overrides_and_out(tmp_path):
     result = tether("train", "--help", cwd=tmp_path)
     assert result.returncode == 0
     assert "overrides" in result.stdout and "--out" in result.stdout
+    # Every config key with its default and help, generated from the schema.
+    from tether.config.loader import all_keys
+
+    listed = {line.split(" = ")[0].strip() for line in result.stdout.splitlines() if " = " in line}
+    sections = {key.rsplit(".", 1)[0] for key in all_keys() if "." in key}
+    assert {key for key in all_keys() if key not in sections} <= listed
+    assert "  trainer.lr = 0.0001" in result.stdout and "      Peak learning rate (AdamW)." in result.stdout
+    assert "  rewards.N.weight = 1.0" in result.stdout
 
 
 def test_missing_command_is_a_usage_error(tmp_path):

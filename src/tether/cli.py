@@ -14,8 +14,13 @@ from tether.errors import TetherError
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
+    from tether.config.loader import config_reference
+
+    epilog = ("config keys (key = default), set in the YAML file or as key.path=value overrides; a list "
+              "item's field as key.N.field:\n" + "\n".join(config_reference()))
     p = sub.add_parser("train", help="Run a training job (SFT or GRPO) from a YAML config.",
-                       description="Run a training job from a YAML config into a run directory.")
+                       description="Run a training job from a YAML config into a run directory.",
+                       epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="YAML config file (see examples/).")
     p.add_argument("overrides", nargs="*", help="Config overrides as key.path=value, e.g. trainer.lr=3e-4")
     p.add_argument("--out", help="Run directory (default: <logging.run_root>/<name>-<timestamp>/).")

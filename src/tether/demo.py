@@ -25,7 +25,7 @@ from tether.data.tokenize import tokenize_prompt
 from tether.evaluation import AccuracyResult, evaluate_accuracy
 from tether.recipes.grpo import run_grpo, start_generator_process_server
 from tether.recipes.sft import run_sft
-from tether.runs import create_run_dir, new_run_path
+from tether.runs import create_run_dir, new_run_path, release_run_dir
 
 NUM_HELD_OUT = 200
 
@@ -73,14 +73,22 @@ def run_demo(quick: bool = False, out: str | None = None, seed: int = 0, mode: s
     num_params = sum(p.numel() for p in model.parameters())
     print(f"demo: {num_params / 1e6:.2f}M-parameter model, character tokenizer, task arith", flush=True)
 
-    sft_result = run_sft(sft_config, create_run_dir(sft_config, root / "sft"), model, tokenizer)
+    sft_dir = create_run_dir(sft_config, root / "sft")
+    try:
+        sft_result = run_sft(sft_config, sft_dir, model, tokenizer)
+    finally:
+        release_run_dir(sft_dir)
     # The GRPO stage continues from this model; its config.yaml says so, so the run dir reruns alone.
     grpo_config.init_from = str(sft_result.final_dir.resolve())
     before = held_out_accuracy(model, tokenizer, grpo_config)
     print(f"demo: after SFT warm start ({time.perf_counter() - start:.0f}s): held-out accuracy "
           f"{before.accuracy:.1%}", flush=True)
 
-    run_grpo(grpo_config, create_run_dir(grpo_config, root / "grpo"), model, tokenizer)
+    grpo_dir = create_run_dir(grpo_config, root / "grpo")
+    try:
+        run_grpo(grpo_config, grpo_dir, model, tokenizer)
+    finally:
+        release_run_dir(grpo_dir)
     after = held_out_accuracy(model, tokenizer, grpo_config)
     print(f"demo: run directory {root} ({time.perf_counter() - start:.0f}s in all)", flush=True)
     print(f"demo: accuracy {before.accuracy:.1%} -> {after.accuracy:.1%} ({after.num_total} held-out problems)",

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: runs are not locked against one another
+    fcntl = None  # type: ignore[assignment]
 
 from tether.config import ExperimentConfig, save_resolved
 from tether.config.loader import is_resolved_config
 from tether.errors import ConfigError
 
 # What a run that failed before its first step leaves: ``--out`` may be reused while that is all.
-_REUSABLE = ("config.yaml", "metrics.jsonl", "samples.jsonl")
+_REUSABLE = ("config.yaml", "metrics.jsonl", "samples.jsonl", ".tether.lock")
 
 
 def new_run_path(run_root: str | Path, name: str) -> Path:
-    """``<run_root>/<name>-<YYYYmmdd-HHMMSS>/``, suffixed ``-1``, ``-2``, ... when that exists (two runs
-    started in the same second keep separate directories). Not created."""
+    """``<run_root>/<name>-<YYYYmmdd-HHMMSS>/``, suffixed ``-1``, ``-2``, ... when that exists. Not
+    created: ``create_run_dir`` claims the name by creating it, and takes the next suffix when
+    another run created it first (two runs started in the same second keep separate directories)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(run_root) / f"{name}-{stamp}"
     suffix = 1
@@ -26,23 +33,82 @@ def new_run_path(run_root: str | Path, name: str) -> Path:
 
 
 def create_run_dir(config: ExperimentConfig, out: str | Path | None = None) -> Path:
-    """``out`` if given, else ``new_run_path``; saves config.yaml. An existing ``out`` must hold
-    nothing but what a run of tether's that failed before its first step leaves (its config.yaml,
-    empty metrics and samples): no one's files are written over."""
-    run_dir = Path(out) if out is not None else new_run_path(config.logging.run_root, config.name)
-    if run_dir.exists():
-        _check_reusable(run_dir)
+    """``out`` if given, else ``new_run_path``; claims it for this process and saves config.yaml.
+
+    An existing ``out`` must hold nothing but what a run of tether's that failed before its first
+    step leaves (its config.yaml, empty metrics and samples, its lock file), and no live run may hold
+    it: a run holds an exclusive lock on ``<run_dir>/.tether.lock`` until its process ends
+    (``release_run_dir`` lets go earlier), so a second run given the same ``--out`` while the first
+    is still starting is refused. No one's files are written over."""
+    if out is not None:
+        run_dir = Path(out)
+        if run_dir.exists():
+            if not run_dir.is_dir():
+                raise ConfigError(f"run directory {run_dir} is a file; choose another --out")
+            _check_reusable(run_dir)  # before anything is written into it
+        _mkdir(run_dir, exist_ok=True)
+    else:
+        run_dir = new_run_path(config.logging.run_root, config.name)
+        while not _mkdir(run_dir, exist_ok=False):  # another run took this name first: the next one
+            run_dir = new_run_path(config.logging.run_root, config.name)
+    _lock(run_dir)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create run directory {run_dir}: {exc.strerror}") from None
+        _check_reusable(run_dir)  # again under the lock: a run that took it meanwhile has finished
+    except ConfigError:
+        release_run_dir(run_dir)
+        raise
     save_resolved(config, run_dir)
     return run_dir
 
 
+def release_run_dir(run_dir: str | Path) -> None:
+    """Lets go of the lock ``create_run_dir`` took (a process's end lets go of it too)."""
+    fd = _LOCKS.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+_LOCK_NAME = ".tether.lock"
+_LOCKS: dict[Path, int] = {}  # run directory -> the open lock file's descriptor, for this process's life
+
+
+def _mkdir(run_dir: Path, *, exist_ok: bool) -> bool:
+    """Creates ``run_dir`` (and its parents); False when it exists and ``exist_ok`` is False."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=exist_ok)
+    except FileExistsError:
+        if exist_ok:  # a file in the way of a parent
+            raise ConfigError(f"cannot create run directory {run_dir}: a path on the way is a file") from None
+        return False
+    except OSError as exc:
+        raise ConfigError(f"cannot create run directory {run_dir}: {exc.strerror}") from None
+    return True
+
+
+def _lock(run_dir: Path) -> None:
+    """An exclusive, non-blocking ``flock`` on the run directory's lock file, held while the process
+    lives (or until ``release_run_dir``); the lock file names the holder's pid for the error."""
+    key = run_dir.resolve()
+    if key in _LOCKS:
+        raise ConfigError(f"run directory {run_dir} is in use by this process's run; choose another --out")
+    try:
+        fd = os.open(run_dir / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot create run directory {run_dir}: {exc.strerror}") from None
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(f"run directory {run_dir} is in use by a running tether process (pid {holder}); "
+                              "choose another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _LOCKS[key] = fd
+
+
 def _check_reusable(run_dir: Path) -> None:
-    if not run_dir.is_dir():
-        raise ConfigError(f"run directory {run_dir} is a file; choose another --out")
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists() and metrics.stat().st_size > 0:
         raise ConfigError(f"run directory {run_dir} already holds a run (metrics.jsonl); choose another --out")
@@ -52,7 +118,7 @@ def _check_reusable(run_dir: Path) -> None:
                           "choose another --out")
     others = sorted(entry.name for entry in run_dir.iterdir()
                     if entry.name not in _REUSABLE or not entry.is_file()
-                    or (entry.name != "config.yaml" and entry.stat().st_size > 0))
+                    or (entry.name not in ("config.yaml", _LOCK_NAME) and entry.stat().st_size > 0))
     if others:
         more = f" and {len(others) - 1} more" if len(others) > 1 else ""
         raise ConfigError(f"run directory {run_dir} is not empty (holds {others[0]!r}{more}); "

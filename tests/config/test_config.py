@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tether import runs
 from tether.config import ExperimentConfig, load_config, parse_override, save_resolved
 from tether.errors import ConfigError
-from tether.runs import create_run_dir
+from tether.runs import create_run_dir, release_run_dir
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
@@ -119,20 +122,20 @@ def test_misspelt_key_in_yaml_names_file_and_closest_key(tmp_path):
 
 def test_wrong_type_names_key_and_expected_type():
     message = config_error(overrides=["trainer.max_steps=abc"])
-    assert message == "config: trainer.max_steps: expected an integer, got 'abc'"
+    assert message == "command line: trainer.max_steps: expected an integer, got 'abc'"
     assert "trainer.lr: expected a number" in config_error(overrides=["trainer.lr=fast"])
     assert "expected true or false" in config_error(overrides=["model.scratch.tie_word_embeddings=maybe"])
 
 
 def test_out_of_range_names_the_bound():
-    assert config_error(overrides=["trainer.max_steps=0"]) == "config: trainer.max_steps: must be >= 1, got 0"
+    assert config_error(overrides=["trainer.max_steps=0"]) == "command line: trainer.max_steps: must be >= 1, got 0"
     assert "rollout.top_p: must be <= 1" in config_error(overrides=["rollout.top_p=2"])
     assert "trainer.lr: must be > 0" in config_error(overrides=["trainer.lr=-1e-3"])
 
 
 def test_literal_lists_the_allowed_values():
     message = config_error(overrides=["recipe=ppo"])
-    assert message.startswith("config: recipe: must be one of")
+    assert message.startswith("command line: recipe: must be one of")
     assert "'sft'" in message and "'grpo'" in message and "'ppo'" in message
     message = config_error(overrides=["model.dtype=float64"])
     assert "model.dtype" in message and "'bfloat16'" in message
@@ -178,11 +181,11 @@ def test_overriding_a_leaf_from_yaml_as_a_section(tmp_path):
 
 
 def test_overriding_a_default_leaf_as_a_section_names_the_leaf():
-    assert config_error(overrides=["trainer.lr.value=3"]).startswith("config: trainer.lr: expected a number")
+    assert config_error(overrides=["trainer.lr.value=3"]).startswith("command line: trainer.lr: expected a number")
 
 
 def test_overriding_a_section_with_a_value():
-    assert config_error(overrides=["trainer=5"]) == "config: trainer: expected a mapping of keys, got 5"
+    assert config_error(overrides=["trainer=5"]) == "command line: trainer: expected a mapping of keys, got 5"
 
 
 def test_long_values_are_shortened_to_keep_one_line():
@@ -286,7 +289,54 @@ def test_create_run_dir_never_overwrites_a_config_yaml_it_did_not_write(tmp_path
     assert mine.read_text() == "# my experiment\nname: exp\n"
     run_dir = create_run_dir(config, out=tmp_path / "run")  # a run that failed before its first step:
     (run_dir / "metrics.jsonl").write_text("")
+    release_run_dir(run_dir)  # (its process ended)
     assert create_run_dir(config, out=run_dir) == run_dir  # its own config.yaml may be rewritten
+
+
+_CLAIM = """
+import sys
+from tether.config import load_config
+from tether.errors import ConfigError
+from tether.runs import create_run_dir
+config = load_config(None, ["name=exp", f"logging.run_root={sys.argv[1]}"])
+try:
+    print(create_run_dir(config, sys.argv[2]), flush=True)
+except ConfigError as error:
+    print("error:", error, flush=True)
+sys.stdin.read()  # holds the run directory until the test closes stdin
+"""
+
+
+def test_a_run_directory_in_use_by_a_live_run_is_refused(tmp_path):
+    """A second run given the --out of a run that is still starting (config.yaml written, no step
+    yet: what a failed run leaves too) is refused while the first one's process lives; once it has
+    ended, the directory may be reused. Runs on the default path never share one."""
+    def claim(out):
+        proc = subprocess.Popen([sys.executable, "-c", _CLAIM, str(tmp_path / "runs"), str(out)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return proc, proc.stdout.readline().strip()
+
+    first, first_dir = claim(tmp_path / "run")
+    second, second_out = claim(tmp_path / "run")
+    assert second_out.startswith("error: run directory") and f"pid {first.pid}" in second_out, second_out
+    (tmp_path / "run" / "metrics.jsonl").write_text("")  # the first run has not finished a step
+    for proc in (first, second):
+        proc.communicate("")
+    third, third_dir = claim(tmp_path / "run")  # the first run's process has ended
+    assert third_dir == first_dir == str(tmp_path / "run")
+    third.communicate("")
+
+
+def test_runs_on_the_default_path_never_share_a_directory(tmp_path, monkeypatch):
+    """Two runs started in the same second both find ``exp-<time>`` free; the one that creates it
+    second takes the next name instead of writing into the other run's directory."""
+    config = load_config(None, ["name=exp", f"logging.run_root={tmp_path}"])
+    taken, fresh = tmp_path / "exp-1", tmp_path / "exp-1-1"
+    other = create_run_dir(config, out=taken)  # the other run, still starting: config.yaml only
+    names = iter([taken, fresh])
+    monkeypatch.setattr(runs, "new_run_path", lambda root, name: next(names))
+    assert create_run_dir(config) == fresh
+    assert sorted(p.name for p in other.iterdir()) == [".tether.lock", "config.yaml"]
 
 
 def test_create_run_dir_refuses_a_directory_with_other_files(tmp_path):
@@ -305,8 +355,8 @@ def test_create_run_dir_refuses_a_directory_with_other_files(tmp_path):
 
 def test_a_temperature_too_small_to_divide_the_logits_by_is_rejected():
     assert config_error(overrides=["rollout.temperature=1e-9"]) == (
-        "config: rollout.temperature: must be 0 (greedy) or at least 1e-05, got 1e-09")
-    assert load_config(None, ["rollout.temperature=0"]).rollout.temperature == 0.0
+        "command line: rollout.temperature: must be 0 (greedy) or at least 1e-05, got 1e-09")
+    assert load_config(None, ["recipe=sft", "rollout.temperature=0"]).rollout.temperature == 0.0
 
 
 @pytest.mark.parametrize(("value", "expected"), [("true", True), ("false", False), ("auto", "auto")])
@@ -325,7 +375,7 @@ def test_a_run_directorys_config_names_local_files_by_absolute_path(tmp_path, mo
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     (tmp_path / "my_reward.py").write_text("def score(prompt, completion, **fields):\n    return 1.0\n")
-    config = load_config(None, ["data.train=data/train.jsonl", "data.eval=some/hub-name",
+    config = load_config(None, ["recipe=sft", "data.train=data/train.jsonl", "data.eval=some/hub-name",
                                 "rewards=[{fn: my_reward.py:score}, {fn: exact_match}]"])
     run_dir = create_run_dir(config, out=tmp_path / "run")
     monkeypatch.chdir(run_dir)
@@ -353,4 +403,75 @@ def test_a_reward_file_is_named_in_metrics_by_its_stem_and_function(tmp_path):
     metrics = build_rewards(config, build_task(config.data)).score(["1+1="], ["2"], [{"answer": "2"}]).metrics()
     assert {"reward/fmt_rewards:ok/mean", "reward/exact/mean"} <= set(metrics)
     assert config_error(overrides=["rewards=[{fn: task, name: x/y}]"]).startswith(
-        "config: rewards.0.name: must be non-empty, without '/'")
+        "command line: rewards.0.name: must be non-empty, without '/'")
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("trainer.betas=[0.9,1.0]", "trainer.betas: each beta must be in [0, 1)"),
+    ("rollout.top_k=3000000000", "rollout.top_k: must be <= 2147483647"),
+    ("trainer.num_threads=10000", "trainer.num_threads: must be <= 1024"),
+    ("rollout.generator_threads=1e10", "rollout.generator_threads: "),
+    ("rollout.group_size=10000000000", "rollout.group_size: must be <= 65536"),
+])
+def test_values_torch_would_refuse_later_are_config_errors(override, expected):
+    """AdamW's betas, the engine's top-k, torch's thread count: refused when the config is read, not
+    with a traceback (or a crash) once the run has started."""
+    assert config_error(overrides=[override]).startswith(f"command line: {expected}")
+
+
+def test_sft_examples_need_two_tokens():
+    assert config_error(overrides=["recipe=sft", "data.max_seq_len=1"]).startswith(
+        "command line: data.max_seq_len: must be >= 2")
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["algorithm.advantage=dr_grpo", "rollout.group_size=1"], "every advantage would be 0"),
+    (["algorithm.advantage=reinforce_pp_baseline", "rollout.group_size=1"], "every advantage would be 0"),
+    (["rollout.temperature=0"], "rollout.temperature=0 samples the 8 completions of a group alike"),
+])
+def test_settings_under_which_nothing_is_learned_are_refused(overrides, expected):
+    assert expected in config_error(overrides=overrides)
+
+
+def test_reinforce_pp_may_sample_one_completion_per_prompt():
+    """No group baseline: its batch whitening gives advantages to groups of one, greedy ones too."""
+    config = load_config(None, ["algorithm.advantage=reinforce_pp", "rollout.group_size=1", "rollout.temperature=0"])
+    assert config.rollout.group_size == 1
+
+
+@pytest.mark.parametrize("override", ["data.eval=held_out.jsonl", "data.max_seq_len=64"])
+def test_data_settings_the_grpo_recipe_does_not_read_are_refused(override):
+    overrides = ["data.task=null", "data.train=train.jsonl", override]
+    assert "grpo recipe" in config_error(overrides=overrides)
+    load_config(None, ["recipe=sft", *overrides])  # the sft recipe reads both
+
+
+def test_errors_in_override_values_say_command_line_not_the_file(tmp_path):
+    path = write(tmp_path, "trainer:\n  lr: 1e-4\n")
+    assert config_error(path, ["rollout.max_staleness=-1"]) == (
+        "command line: rollout.max_staleness: must be >= 0, got -1")
+    bad = write(tmp_path, "rollout:\n  max_staleness: -1\n", name="bad.yaml")
+    assert config_error(bad, ["trainer.lr=1e-3"]).startswith(f"{bad}: rollout.max_staleness")
+
+
+@pytest.mark.parametrize("override,hint", [
+    ("rollout.temp=0.7", "rollout.temperature"),
+    ("rewards=[{fn: task, wieght: 2}]", "rewards.0.weight"),
+    ("rewards=[{fnn: task}]", "rewards.0.fn"),
+])
+def test_unknown_keys_suggest_the_closest_field_of_their_section(override, hint):
+    assert f"(did you mean '{hint}'?)" in config_error(overrides=[override])
+
+
+def test_an_override_indexes_a_list_the_config_gives(tmp_path):
+    path = write(tmp_path, "rewards:\n  - fn: task\n  - fn: exact_match\n")
+    config = load_config(path, ["rewards.1.weight=2"])
+    assert [r.weight for r in config.rewards] == [1.0, 2.0]
+    assert "rewards is a list of 2" in config_error(path, ["rewards.2.weight=2"])
+    assert "gives no list rewards to index" in config_error(overrides=["rewards.0.weight=2"])
+
+
+def test_an_override_value_with_a_hash_is_kept_as_written():
+    """YAML would read `ablation #3` as `ablation` and a comment."""
+    assert load_config(None, ["name=ablation #3"]).name == "ablation #3"
+    assert load_config(None, ["trainer.lr=3e-4"]).trainer.lr == 3e-4

@@ -9,8 +9,10 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import textwrap
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -62,12 +64,15 @@ def _yaml_load(text: str) -> Any:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Read ``path`` (YAML; may be None for all defaults), apply overrides, validate."""
+    """Read ``path`` (YAML; may be None for all defaults), apply overrides, validate. An error in a
+    value an override set says "command line", not the file's name."""
     values: dict[str, Any] = read_yaml(path) if path is not None else {}
+    given: list[str] = []  # dotted keys the overrides set
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(values, key, value)
-    return validate(values, source=str(path) if path else "config")
+        given.append(key)
+    return validate(values, source=str(path) if path else "config", overrides=given)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -91,10 +96,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_override(item: str) -> tuple[str, Any]:
-    """``trainer.lr=3e-4`` -> ("trainer.lr", 0.0003); the value is read as YAML."""
+    """``trainer.lr=3e-4`` -> ("trainer.lr", 0.0003); the value is read as YAML, but a value with a
+    `` #`` is taken as written (YAML would drop the rest as a comment: ``name=ablation #3``)."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.lr=3e-4")
+    if re.search(r"(^|\s)#", raw):
+        return key.strip(), raw.strip()
     try:
         value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
@@ -103,23 +111,44 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def set_dotted(values: dict[str, Any], key: str, value: Any) -> None:
-    node = values
+    """Sets ``values[a][b][c] = value`` for ``key`` "a.b.c", making sections on the way; a numeric
+    part indexes a list the config already holds (``rewards.0.weight=2``)."""
+    node: Any = values
     parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
+    for i, part in enumerate(parts):
+        where = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"{where}: {'.'.join(parts[:i])} is a list of {len(node)} (override {key}: "
+                                  f"index it 0-{len(node) - 1}, or give the whole list)")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(parts[:i])}: is a value, not a section (override {key})")
+        elif part.isdigit() and node.get(part) is None and i > 0:
+            raise ConfigError(f"{where}: the config gives no list {'.'.join(parts[:i])} to index (override "
+                              f"{key}); give the whole list, e.g. {'.'.join(parts[:i])}=[...]")
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        child = node[part] if isinstance(node, list) else node.get(part)
         if child is None:
             child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, not a section (override {key})")
         node = child
-    node[parts[-1]] = value
 
 
-def validate(values: dict[str, Any], source: str = "config") -> ExperimentConfig:
+def validate(values: dict[str, Any], source: str = "config",
+             overrides: Collection[str] = ()) -> ExperimentConfig:
+    """The config from ``values``; an error in a key an override set (``overrides``: dotted keys)
+    says "command line", else names ``source``."""
     try:
         return ExperimentConfig.model_validate(values)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: {describe_error(exc.errors()[0])}") from None
+        errors = exc.errors()  # an unknown key first: a misspelt one also leaves its real key missing
+        error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+        loc = ".".join(str(part) for part in error["loc"])
+        is_override = any(loc and (loc == key or loc.startswith(key + ".") or key.startswith(loc + "."))
+                          for key in overrides or ())
+        raise ConfigError(f"{'command line' if is_override else source}: {describe_error(error)}") from None
 
 
 def describe_error(err: dict[str, Any]) -> str:
@@ -176,17 +205,61 @@ def all_keys(model: type[BaseModel] = ExperimentConfig, prefix: str = "") -> lis
     return keys
 
 
+def config_reference(model: type[BaseModel] = ExperimentConfig, prefix: str = "") -> list[str]:
+    """Every key of the schema with its default and help, for ``tether train --help``: one
+    ``key = default`` line and its help indented beneath (a list's items under ``key.N.field``)."""
+    lines: list[str] = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines.extend(config_reference(annotation, dotted + "."))
+            continue
+        item = get_args(annotation)[0] if get_origin(annotation) is list else None
+        default = "required" if field.is_required() else json.dumps(
+            field.get_default(call_default_factory=True), default=lambda value: value.model_dump())
+        lines.append(f"  {dotted} = {default}")
+        lines.extend(textwrap.wrap(field.description or "", 96, initial_indent="      ",
+                                   subsequent_indent="      "))
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            lines.extend(config_reference(item, dotted + ".N."))
+    return lines
+
+
 def closest_key(loc: list[str]) -> str | None:
-    if any(part.isdigit() for part in loc):  # inside a list (e.g. rewards.0.fnn): compare leaf names
+    """The valid key closest to an unknown one: its leaf name among the fields of the section it was
+    written in (list items included: ``rewards.0.wieght`` -> ``rewards.0.weight``), a prefix match
+    first (``rollout.temp`` -> ``rollout.temperature``), else among every key of the schema."""
+    parent, section = loc[:-1], _section_model(loc[:-1])
+    leaf = loc[-1]
+    if section is not None:
+        names = list(section.model_fields)
+        starts = [name for name in names if name.startswith(leaf)]
+        match = starts[:1] if len(starts) == 1 else difflib.get_close_matches(leaf, names, n=1, cutoff=0.5)
+        if match:
+            return ".".join([*parent, match[0]])
+    if any(part.isdigit() for part in loc):
         return None
-    wanted = ".".join(loc)
-    parent = ".".join(loc[:-1])
-    keys = all_keys()
-    siblings = [k for k in keys if k.rsplit(".", 1)[0] == parent] if parent else \
-        [k for k in keys if "." not in k]
-    match = difflib.get_close_matches(wanted, siblings, n=1, cutoff=0.5) or \
-        difflib.get_close_matches(wanted, keys, n=1, cutoff=0.6)
+    match = difflib.get_close_matches(".".join(loc), all_keys(), n=1, cutoff=0.6)
     return match[0] if match else None
+
+
+def _section_model(path: list[str]) -> type[BaseModel] | None:
+    """The pydantic model of the section at ``path`` (``["rewards", "0"]`` -> ``RewardSpec``), or None."""
+    model: type[BaseModel] = ExperimentConfig
+    parts = list(path)
+    while parts:
+        field = model.model_fields.get(parts.pop(0))
+        if field is None:
+            return None
+        annotation = field.annotation
+        if get_origin(annotation) is list and parts and parts[0].isdigit():
+            parts.pop(0)
+            annotation = get_args(annotation)[0]
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
 
 
 def save_resolved(config: ExperimentConfig, run_dir: Path) -> Path:

@@ -1,7 +1,8 @@
 """The typed experiment config: one nested, validated object, every field with a default and help.
 
 YAML files only supply values; the schema here is the single source of truth for defaults and help
-(`tether train --help` points here; a generated config reference is ROADMAP item 5). Library
+(`tether train --help` lists every key with its default and help, generated from here; a config
+reference in the docs is ROADMAP item 5). Library
 components never receive this object whole: builders and recipes translate the relevant section into
 plain arguments.
 """
@@ -15,9 +16,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tether.algorithms import ADVANTAGES, AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
-from tether.engine.types import MIN_TEMPERATURE
+from tether.engine.types import MAX_TOP_K, MIN_TEMPERATURE
 from tether.errors import ConfigError
 from tether.rewards.loader import reward_file
+
+MAX_GROUP_SIZE = 65536  # samples of one prompt: a bound that keeps the config's own checks small
+MAX_THREADS = 1024  # torch refuses thread counts past its int, and crashes on some far below that
 
 
 def _types_in(annotation: object) -> set[object]:
@@ -109,7 +113,8 @@ class DataSection(Section):
         default_factory=dict, description="Keyword options of the built-in task (e.g. num_digits).")
     num_train: int = Field(2000, gt=0, description="Training examples drawn from a built-in task.")
     num_eval: int = Field(200, gt=0, description="Held-out examples drawn from a built-in task.")
-    max_seq_len: int = Field(256, gt=0, description="Longest tokenised example (prompt + completion).")
+    max_seq_len: int = Field(256, ge=2, description="Longest tokenised example (prompt + completion); the "
+                             "sft recipe (grpo: rollout.max_new_tokens and engine.max_model_len).")
 
 
 class AlgorithmSection(Section):
@@ -144,12 +149,12 @@ class AlgorithmSection(Section):
 
 
 class RolloutSection(Section):
-    group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group, G).")
+    group_size: int = Field(8, ge=1, le=MAX_GROUP_SIZE, description="Samples per prompt (the GRPO group, G).")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step.")
     max_new_tokens: int = Field(32, ge=1, description="Longest completion.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy; else at least 1e-5).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Top-k sampling (0 disables).")
     mode: Literal["sync", "async"] = Field("sync", description="Synchronous (on-policy) or "
                                            "asynchronous generation.")
     max_staleness: int = Field(0, ge=0, description="Most policy versions a consumed sample may lag "
@@ -165,7 +170,7 @@ class RolloutSection(Section):
                             "first (sync).")
     dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (no GRPO "
                                    "signal) and generate replacements (DAPO's dynamic sampling).")
-    generator_threads: int = Field(0, ge=0, description="torch CPU threads of the generator process in "
+    generator_threads: int = Field(0, ge=0, le=MAX_THREADS, description="torch CPU threads of the generator process in "
                                    "async mode (0: half of the cores).")
     generate_during_boot: bool = Field(True, description="Async mode: while the generator process starts "
                                        "(importing torch, building its engine: seconds), the trainer's "
@@ -233,7 +238,7 @@ class TrainerSection(Section):
     max_steps: int = Field(100, ge=1, description="Optimizer steps (RL steps for GRPO).")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule "
                                                               "after warm-up.")
@@ -246,8 +251,16 @@ class TrainerSection(Section):
                                 "one forward over it in the trainer; exact, and n times less prompt "
                                 "compute for groups of n.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end); the sft recipe.")
-    num_threads: int = Field(0, ge=0, description="torch CPU threads (0: leave torch's default; in async mode half of "
-                             "the cores, as rollout.generator_threads for the generator process).")
+    num_threads: int = Field(0, ge=0, le=MAX_THREADS, description="torch CPU threads (0: leave torch's "
+                             "default; in async mode half of the cores, as rollout.generator_threads for the "
+                             "generator process).")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError("each beta must be in [0, 1)")
+        return betas
 
 
 class LoggingSection(Section):
@@ -320,16 +333,24 @@ class ExperimentConfig(Section):
 
     @model_validator(mode="after")
     def _group_size_fits_the_advantage(self) -> ExperimentConfig:
-        """Estimators with a group baseline need G >= 2 (GRPO's std, RLOO's leave-one-out): asked of
-        the estimator itself, on a group of zeros, so a new registry entry brings its own rule."""
+        """Settings under which every advantage is 0 (nothing would be learned) are refused. Asked of
+        the estimator itself, so a new registry entry brings its own rule: it may refuse the group
+        size (GRPO's std and RLOO's leave-one-out need G >= 2), and on two groups of distinct rewards
+        it must give some advantage that is not 0 (a group baseline over G = 1 gives none)."""
         if self.recipe != "grpo":
             return self
-        size = self.rollout.group_size
+        size, name = self.rollout.group_size, self.algorithm.advantage
         try:
-            ADVANTAGES.get(self.algorithm.advantage)(torch.zeros(size), size)
+            advantages = ADVANTAGES.get(name)(torch.arange(2.0 * size), size)
         except ConfigError as error:
-            raise ValueError(f"rollout.group_size={size} does not suit algorithm.advantage="
-                             f"{self.algorithm.advantage!r}: {error}") from None
+            raise ValueError(f"rollout.group_size={size} does not suit algorithm.advantage={name!r}: "
+                             f"{error}") from None
+        if not advantages.any():
+            raise ValueError(f"rollout.group_size={size} does not suit algorithm.advantage={name!r}: every "
+                             "advantage would be 0 (a group baseline needs G >= 2)")
+        if size > 1 and self.rollout.temperature == 0:
+            raise ValueError(f"rollout.temperature=0 samples the {size} completions of a group alike (greedy): "
+                             "their rewards are equal and their advantages 0; sample with a temperature > 0")
         return self
 
     @model_validator(mode="after")
@@ -341,4 +362,11 @@ class ExperimentConfig(Section):
         if self.recipe == "grpo" and self.trainer.eval_every > 0:
             raise ValueError(f"trainer.eval_every={self.trainer.eval_every}: the grpo recipe does not evaluate "
                              "during training (the sft recipe does); leave it 0")
+        if self.recipe == "grpo" and self.data.eval is not None:
+            raise ValueError(f"data.eval={self.data.eval!r}: the grpo recipe does not evaluate during training "
+                             "(the sft recipe does); leave it empty")
+        default_len = DataSection.model_fields["max_seq_len"].default
+        if self.recipe == "grpo" and self.data.max_seq_len != default_len:
+            raise ValueError(f"data.max_seq_len={self.data.max_seq_len} is not read by the grpo recipe: its "
+                             "sequences are capped by rollout.max_new_tokens and engine.max_model_len")
         return self

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.config import ExperimentConfig, load_config
-from tether.runs import create_run_dir
+from tether.runs import create_run_dir, release_run_dir
 
 
 def _recipes() -> dict[str, Callable[[ExperimentConfig, Path], Any]]:
@@ -25,6 +25,9 @@ def run_train(config_path: str, overrides: list[str], out: str | None = None) ->
         start_generator_process_server(config)  # boots while the model and data are built
     run_dir = create_run_dir(config, out)
     print(f"run directory: {run_dir}", flush=True)
-    result = _recipes()[config.recipe](config, run_dir)
+    try:
+        result = _recipes()[config.recipe](config, run_dir)
+    finally:
+        release_run_dir(run_dir)
     print(f"done: {run_dir}", flush=True)
     return result
