@@ -425,6 +425,63 @@ def test_stepping_on_after_a_step_that_raised_gives_the_same_completions(qwen2_p
     assert flaky.generate([probe], greedy)[0].token_ids == engine().generate([probe], greedy)[0].token_ids
 
 
+class _Detokenizer:
+    """Letters for ids; raises ``error`` at its ``fail_at``-th decode (the stop-string check's)."""
+
+    def __init__(self, fail_at: int = 0, error: BaseException | None = None) -> None:
+        self.num_calls, self.fail_at, self.error = 0, fail_at, error
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        self.num_calls += 1
+        if self.num_calls == self.fail_at:
+            raise self.error
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("fail_at", [1, 4, 7, 10])
+def test_an_interrupt_in_the_stop_check_loses_nothing_and_changes_nothing(qwen2_path, fail_at):
+    """Ctrl-C lands in a step's stop-string check (the detokenizer), and the caller steps on: the
+    completions that finished earlier in that step still come out, the token whose check was cut
+    short is sampled again (no request runs past max_new_tokens or max_model_len), and seeded
+    samples equal an undisturbed run's (the step's unused draws are given back)."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15, 16]]
+    stop = ("#",)  # never matched: every new token of these requests is checked by decoding
+    params = [SamplingParams(temperature=0.0, max_new_tokens=1),
+              SamplingParams(max_new_tokens=3, seed=5, stop_strings=stop),
+              SamplingParams(max_new_tokens=20, seed=6, stop_strings=stop),  # to max_model_len (8 tokens)
+              SamplingParams(max_new_tokens=4, seed=7, n=2, stop_strings=stop)]
+
+    def run(detokenizer):
+        engine = LLMEngine(load_model(qwen2_path), tokenizer=detokenizer,
+                           config=EngineConfig(num_kv_blocks=128, block_size=1, max_model_len=8))
+        for prompt, sampling in zip(prompts, params):
+            engine.add_request(prompt, sampling)
+        done, num_interrupts = [], 0
+        while engine.has_unfinished():
+            try:
+                done.extend(engine.step())
+            except KeyboardInterrupt:
+                num_interrupts += 1
+        return sorted(done, key=lambda c: (c.request_id, c.sample_index)), num_interrupts
+
+    expected, _ = run(_Detokenizer())
+    got, num_interrupts = run(_Detokenizer(fail_at, KeyboardInterrupt()))
+    assert num_interrupts == 1
+    assert_same_completions(got, expected)
+    assert [c.num_tokens for c in got] == [1, 3, 3, 4, 4]
+
+
+def test_a_detokenizer_that_fails_on_a_text_fails_that_request_alone(qwen2_path):
+    detokenizer = _Detokenizer(fail_at=3, error=ValueError("no text for id 999"))
+    engine = LLMEngine(load_model(qwen2_path), tokenizer=detokenizer,
+                       config=EngineConfig(num_kv_blocks=128, block_size=4))
+    done = engine.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_new_tokens=4, seed=1, stop_strings=("#",)),
+                                                 SamplingParams(temperature=0.0, max_new_tokens=4)])
+    assert [c.finish_reason for c in done] == ["error", "length"]
+    assert done[0].error == "request 0: checking its stop strings failed: ValueError: no text for id 999"
+    assert done[1].num_tokens == 4
+
+
 def test_a_request_whose_kv_fills_the_pool_exactly_is_served(qwen2_path):
     # 12 prompt tokens + 5 new: the last new token is sampled, never run, so the KV of 16 tokens
     # fills 4 blocks of 4 exactly; one more new token would not fit.

@@ -41,7 +41,7 @@ from tether.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tether.engine.sequence import Sequence, sample_seed
 from tether.engine.speculative import verify
 from tether.engine.types import Completion, EngineStats, SamplingParams
-from tether.errors import CheckpointError, RequestError
+from tether.errors import CheckpointError, RequestError, one_line
 
 
 class LLMEngine:
@@ -176,9 +176,10 @@ class LLMEngine:
             step_input, samplers, verifiers = self._prepare(out, proposals)
             logits = self.runner.run(step_input, out.block_copies)  # [N + sum(n_i + 1), V]
             self._advance(out.scheduled)  # drafts count once accepted (_verify_and_finish)
-            done.extend(self._sample_and_finish(logits[: len(samplers)], samplers))
-            done.extend(self._verify_and_finish(logits[len(samplers) :], verifiers, proposals))
-            done.extend(self._scrub_nonfinite_kv())
+            # Each appends to ``done`` as it goes, so what finished before a raise is not lost.
+            self._sample_and_finish(logits[: len(samplers)], samplers, done)
+            self._verify_and_finish(logits[len(samplers) :], verifiers, proposals, done)
+            self._scrub_nonfinite_kv(done)
         except BaseException:  # completions already finished are not lost with the step
             self._done = done + self._done
             self._recover_from_failed_step()
@@ -187,12 +188,14 @@ class LLMEngine:
         return done
 
     def _recover_from_failed_step(self) -> None:
-        """A step that raised (out of memory, an interrupt, a failing tokenizer) may have stopped
-        anywhere: tokens marked computed with nothing sampled, copy-on-write copies taken from the
-        block manager and never made, a draft's KV counted before its forward. Every running sequence
-        is preempted, to recompute its KV from its tokens when next scheduled, which is right wherever
-        the step stopped; the caller may step on. Blocks this step wrote were never offered to the
-        prefix cache (that happens after the forward), so none of it serves a later prompt."""
+        """A step that raised (out of memory, an interrupt) may have stopped anywhere: tokens marked
+        computed with nothing sampled, copy-on-write copies taken from the block manager and never
+        made, a draft's KV counted before its forward. Every running sequence is preempted, to
+        recompute its KV from its tokens when next scheduled, which is right wherever the step
+        stopped; the caller may step on. Blocks this step wrote were never offered to the prefix
+        cache (that happens after the forward), so none of it serves a later prompt. (What the step
+        finished comes out of the next one; a token whose stop check it cut short was taken back,
+        and the draws of tokens it did not emit given back: ``_emit``, ``_rewind_draws``.)"""
         for runner in (self.runner, self._draft_runner):
             if runner is not None:
                 runner.decode_kv.clear()  # copies of KV that the recompute writes again
@@ -249,37 +252,49 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit(seq, before)
 
-    def _sample_and_finish(self, logits: torch.Tensor, samplers: list[Sequence]) -> list[Completion]:
+    def _sample_and_finish(self, logits: torch.Tensor, samplers: list[Sequence], done: list[Completion]) -> None:
         if not samplers:
-            return []  # a step of prefill chunks only
+            return  # a step of prefill chunks only
         seqs, _, logits = self._with_groups(samplers, [1] * len(samplers), logits)
-        # These rows of the step's logits are read by nothing else: sampled in place.
-        # A draft-model engine's rows draw by output position, in plain steps too (Sampler.sample).
-        positions = ([s.num_output_tokens for s in seqs]
-                     if self.proposer is not None and self.proposer.is_position_keyed else None)
-        result = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs], may_overwrite=True,
-                                     positions=positions)
-        done: list[Completion] = []
-        for seq, token_id, logprob in zip(seqs, result.token_ids, result.logprobs):
-            self._emit(seq, [token_id], [logprob])
-            self._collect_if_finished(seq, done)
+        counts = _draw_counts(seqs)
+        try:
+            # These rows of the step's logits are read by nothing else: sampled in place.
+            # A draft-model engine's rows draw by output position, in plain steps too (Sampler.sample).
+            positions = ([s.num_output_tokens for s in seqs]
+                         if self.proposer is not None and self.proposer.is_position_keyed else None)
+            result = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs],
+                                         may_overwrite=True, positions=positions)
+            for seq, token_id, logprob in zip(seqs, result.token_ids, result.logprobs):
+                self._emit(seq, [token_id], [logprob])
+                self._collect_if_finished(seq, done)
+        except BaseException:
+            _rewind_draws(seqs, counts)
+            raise
         self.scheduler.remove_finished()
-        return done
 
     def _verify_and_finish(
-        self, logits: torch.Tensor, verifiers: list[Sequence], proposals: dict[int, Proposal]
-    ) -> list[Completion]:
+        self, logits: torch.Tensor, verifiers: list[Sequence], proposals: dict[int, Proposal], done: list[Completion]
+    ) -> None:
         """logits ``[sum(n_i + 1), V]``: accept each verifier's drafts, emit, roll back the rest."""
         if not verifiers:
-            return []
+            return
         # A leader ending its prompt has a tail only: its group shares its row and proposal.
         num_rows = [proposals[seq.seq_id].num_tokens + 1 for seq in verifiers]
         seqs, origins, logits = self._with_groups(verifiers, num_rows, logits)
         drafts = [proposals[verifiers[i].seq_id] for i in origins]
+        counts = _draw_counts(seqs)
+        try:
+            self._accept(logits, seqs, drafts, done)
+        except BaseException:
+            _rewind_draws(seqs, counts)
+            raise
+        self.scheduler.remove_finished()
+
+    def _accept(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal],
+                done: list[Completion]) -> None:
         verdict = verify(logits, seqs, drafts, self.sampler.weights_kernel)
         # The step's one host sync for the verifiers.
         token_ids, token_logprobs = verdict.token_ids.tolist(), verdict.logprobs.tolist()
-        done: list[Completion] = []
         for seq, draft, num_accepted, ids, lps in zip(
             seqs, drafts, verdict.num_accepted.tolist(), token_ids, token_logprobs
         ):
@@ -293,8 +308,6 @@ class LLMEngine:
             self.stats.num_draft_tokens += draft.num_tokens
             self.stats.num_accepted_tokens += num_accepted
             self._collect_if_finished(seq, done)
-        self.scheduler.remove_finished()
-        return done
 
     def _with_groups(
         self, seqs: list[Sequence], num_rows: list[int], logits: torch.Tensor
@@ -326,14 +339,24 @@ class LLMEngine:
                            f"inf) at generated token {seq.num_output_tokens}")
                 return num_emitted - 1
             seq.append_token(token_id, logprob, self.policy_version)
+            try:
+                reason = finish_reason(seq, self.max_model_len, self.tokenizer)
+            except Exception as error:  # a detokenizer that fails on this text: this sequence only
+                reason = "error"
+                seq.finish(reason, f"request {seq.request_id}: checking its stop strings failed: "
+                                    f"{type(error).__name__}: {one_line(error)}")
+            except BaseException:  # an interrupt: the token goes unchecked, so it is not kept
+                seq.pop_token()
+                raise
             self.stats.num_generated_tokens += 1
-            reason = finish_reason(seq, self.max_model_len, self.tokenizer)
+            if reason == "error":
+                return num_emitted
             if reason is not None:
                 seq.finish(reason)
                 return num_emitted
         return len(token_ids)
 
-    def _scrub_nonfinite_kv(self) -> list[Completion]:
+    def _scrub_nonfinite_kv(self, done: list[Completion]) -> None:
         """After a forward computed NaN/inf hidden states (so NaN/inf KV), no such key or value is
         read again: masked and padded reads multiply stale slots by a zero attention weight, and
         NaN * 0 is NaN, so a sequence that next owned the block would fail too. The pool's NaN/inf
@@ -346,10 +369,9 @@ class LLMEngine:
         draft = self._draft_runner
         is_draft_bad = draft is not None and draft.saw_nonfinite()
         if not self.runner.saw_nonfinite() and not is_draft_bad:
-            return []
+            return
         running = [seq for seq in self.scheduler.running if not seq.is_finished]
         poisoned, bad_blocks = self.runner.scrub_nonfinite_kv(running, lambda seq: seq.num_computed_tokens)
-        done: list[Completion] = []
         for seq in poisoned:
             for member in [seq, *seq.followers]:
                 member.finish("error", f"request {seq.request_id}: its KV cache holds non-finite values (NaN or "
@@ -362,7 +384,6 @@ class LLMEngine:
             stale, _ = draft.scrub_nonfinite_kv(running, lambda seq: seq.num_draft_computed_tokens)
             for seq in stale:
                 seq.is_draft_off = True
-        return done
 
     # ------------------------------------------------------------------ batch API
 
@@ -458,3 +479,19 @@ class LLMEngine:
         seqs = self._requests.get(request_id)
         if seqs is not None and all(seq.is_finished for seq in seqs):
             del self._requests[request_id]
+
+
+def _draw_counts(seqs: list[Sequence]) -> list[tuple[int, int]]:
+    """Each sequence's (random draws, output tokens) before a step samples: what ``_rewind_draws``
+    restores if the step raises."""
+    return [(seq.rng.num_draws, seq.num_output_tokens) for seq in seqs]
+
+
+def _rewind_draws(seqs: list[Sequence], counts: list[tuple[int, int]]) -> None:
+    """After a step raised while sampling: a sequence's stream keeps the draws of the tokens it
+    emitted (one each, as plain steps count them) and gives back the rest, so it samples the same
+    tokens when it steps again as it would have uninterrupted. A stream the step did not advance
+    (greedy, or drawn by output position) is left as it is."""
+    for seq, (num_draws, num_outputs) in zip(seqs, counts):
+        if seq.rng.num_draws != num_draws:
+            seq.rng.num_draws = num_draws + seq.num_output_tokens - num_outputs

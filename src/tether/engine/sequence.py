@@ -92,6 +92,12 @@ class Sequence:
         self.logprobs.append(logprob)
         self.versions.append(version)
 
+    def pop_token(self) -> None:
+        """Takes back the newest token (appended, then interrupted before it was checked)."""
+        self.token_ids.pop()
+        self.logprobs.pop()
+        self.versions.pop()
+
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
