@@ -475,3 +475,9 @@ def test_an_override_value_with_a_hash_is_kept_as_written():
     """YAML would read `ablation #3` as `ablation` and a comment."""
     assert load_config(None, ["name=ablation #3"]).name == "ablation #3"
     assert load_config(None, ["trainer.lr=3e-4"]).trainer.lr == 3e-4
+
+
+def test_a_staleness_bound_in_sync_mode_is_refused():
+    """Sync mode trains on-policy: a bound there would be written to config.yaml and never read."""
+    assert "read in async mode only" in config_error(overrides=["rollout.max_staleness=4"])
+    assert load_config(None, ["rollout.mode=async", "rollout.max_staleness=4"]).rollout.max_staleness == 4

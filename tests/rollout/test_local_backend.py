@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from rollout_helpers import REWARDS, TINY, tiny_config
 
 from tether.builders import build_prompt_data
 from tether.data.cursor import DataCursor
+from tether.errors import TetherError
 from tether.metrics import read_metrics
 from tether.recipes import run_train
 from tether.recipes.grpo import build_generator_worker, run_grpo
@@ -92,6 +94,73 @@ def _expect_crash(make_worker, model, match: str) -> None:
 @pytest.mark.slow
 def test_a_generator_that_dies_is_reported_with_its_traceback(tiny_policy):
     _expect_crash(_failing_worker, tiny_policy[0], "engine could not be built")
+
+
+class _StepFailingWorker:
+    """Takes weights, then its first engine step fails (as an out-of-memory error would)."""
+
+    def __init__(self) -> None:
+        self.counters = GeneratorCounters()
+        self.is_idle = False
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        for _ in named_tensors:
+            pass
+
+    def step(self) -> list:
+        raise RuntimeError("CUDA out of memory in the engine step")
+
+
+@pytest.mark.slow
+def test_a_generator_that_dies_while_the_trainer_publishes_is_reported_with_its_error(tiny_policy):
+    """The trainer, slower than the generator, finds the crash while it waits for the weights' ack:
+    the error names the generator's own exception in one line, not only that the process died."""
+    model, _ = tiny_policy
+    transport = ProcessTransport(_StepFailingWorker, SharedWeights(model.named_parameters()), num_threads=1)
+    try:
+        with pytest.raises(GeneratorCrashedError) as info:
+            for version in range(1, 200):
+                transport.publish_weights(model.named_parameters(), version)
+                time.sleep(0.05)
+    finally:
+        transport.close()
+    assert str(info.value) == "the generator process failed: RuntimeError: CUDA out of memory in the engine step"
+    assert "Traceback" in info.value.traceback and isinstance(info.value, TetherError)
+
+
+class _FilteringWorker:
+    """Filters one group (dynamic sampling: every reward equal), then has nothing more to do."""
+
+    def __init__(self) -> None:
+        self.counters = GeneratorCounters()
+        self.is_idle = False
+
+    def step(self) -> list:
+        if not self.is_idle:
+            self.counters.num_filtered += 1
+            self.is_idle = True
+        return []
+
+
+@pytest.mark.slow
+def test_a_poll_returns_when_a_group_is_filtered(tiny_policy):
+    """The driver counts filtered groups against dynamic sampling's limit after every poll; a poll
+    that waited its whole timeout for a group let the generator run far past the limit."""
+    transport = ProcessTransport(_FilteringWorker, SharedWeights(tiny_policy[0].named_parameters()), num_threads=1)
+    try:
+        start = time.monotonic()
+        while transport.counters.num_filtered == 0 and time.monotonic() - start < 60:
+            assert transport.poll(60.0) == []
+        assert transport.counters.num_filtered == 1 and time.monotonic() - start < 30
+    finally:
+        transport.close()
+
+
+def test_a_generator_killed_by_a_signal_is_named_in_one_line():
+    assert str(GeneratorCrashedError.from_exit(-9)) == (
+        "the generator process was killed by SIGKILL (signal 9; out of memory?)")
+    assert str(GeneratorCrashedError.from_exit(-11)) == "the generator process was killed by SIGSEGV (signal 11)"
+    assert str(GeneratorCrashedError.from_exit(3)) == "the generator process exited with code 3"
 
 
 def _report_how_a_started_program_takes_ctrl_c(path: str):
@@ -255,3 +324,35 @@ def test_a_generator_sees_its_trainer_gone():
     assert gone.is_gone()
     alive = TrainerWatch(os.getpid())
     assert not alive.is_gone() and not TrainerWatch(0).is_gone()
+
+
+_CTRL_C_AT_START = """
+import copy, functools, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from rollout_helpers import tiny_config
+from tether.builders import build_model_and_tokenizer
+from tether.recipes.grpo import build_generator_worker, start_generator_process_server
+from tether.rollout.local_backend import ProcessTransport
+from tether.rollout.weights import SharedWeights
+
+config = tiny_config("rollout.mode=async", "rollout.max_staleness=1")
+model, tokenizer = build_model_and_tokenizer(config.model, None, 0)
+start_generator_process_server(config, tokenizer)  # as tether train does: the server imports meanwhile
+signal.signal(signal.SIGALRM, lambda *_: signal.raise_signal(signal.SIGINT))
+signal.setitimer(signal.ITIMER_REAL, 0.3)  # Ctrl-C while the transport waits for the server
+try:
+    ProcessTransport(functools.partial(build_generator_worker, config, copy.deepcopy(model), tokenizer),
+                     SharedWeights(model.named_parameters()), num_threads=1, wait_for_handover=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_generator_process_starts_leaves_no_traceback(tmp_path):
+    """Ctrl-C in an async run's first seconds, while the process server imports: the trainer stops
+    with KeyboardInterrupt after the child is forked, and nothing prints a traceback (a child the
+    server forked after the trainer had gone printed one)."""
+    result = subprocess.run([sys.executable, "-c", _CTRL_C_AT_START, str(Path(__file__).parent)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "interrupted" and "Traceback" not in result.stderr, result.stderr

@@ -158,13 +158,13 @@ def test_decoupled_ppo_behaviour_weight_under_each_correction(model_dir, correct
     torch.testing.assert_close(grads, expected_weight * reference, rtol=1e-3, atol=1e-6)
 
 
-def _train(model, batch, sampling=None, **settings):
+def _train(model, batch, sampling=None, policy_version=0, **settings):
     model = copy.deepcopy(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3)
     scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=10, schedule="constant")
     trainer = PolicyTrainer(model, optimizer, scheduler, PolicyLossSettings(grad_clip=0.0, **settings),
                             sampling or SamplingView(1.0))
-    metrics = trainer.train_on(batch)
+    metrics = trainer.train_on(batch, policy_version=policy_version)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), metrics
 
 
@@ -270,6 +270,22 @@ def test_mismatch_is_measured_against_the_pre_update_weights_over_several_epochs
     model = load_model(model_dir)
     _, metrics = _train(model, _batch(model), proximal=proximal, epochs_per_batch=3, policy_loss="decoupled_ppo")
     assert metrics["mismatch/k3"] < 1e-6 and metrics["mismatch/abs_logp_diff"] < 1e-4
+
+
+def test_lag0_mismatch_leaves_out_samples_continued_across_a_weight_update(model_dir):
+    """A sample whose first tokens version 2 sampled and whose later ones version 3 did (a partial
+    rollout) computed those later tokens over KV of version 2's weights: their engine log-probs carry
+    that drift, so the engine/trainer numerics (lag0) leave the whole sample out."""
+    model = load_model(model_dir)
+    batch = _batch(model)
+    batch.versions = torch.full_like(batch.versions, 3)
+    batch.versions[0, :2] = 2
+    batch.behaviour_logprobs[0] = torch.where(batch.mask[0], batch.behaviour_logprobs[0] - 0.5, 0.0)
+    _, metrics = _train(model, batch, policy_loss="decoupled_ppo", policy_version=3)
+    assert metrics["mismatch/k3"] > 1e-3  # the drift is there...
+    assert metrics["mismatch/lag0_k3"] < 1e-6  # ...and not in the numerics
+    lengths = batch.mask.sum(dim=1)
+    assert metrics["mismatch/lag0_frac"] == pytest.approx(float(lengths[1:].sum() / lengths.sum()))
 
 
 def test_loglinear_measures_the_epochs_of_a_batch_in_policy_versions(model_dir):

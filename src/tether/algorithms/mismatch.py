@@ -14,9 +14,11 @@ Samples come from the engine (behaviour policy), so with log ratio d = logp_trai
   (outside its top-k/top-p set: stale samples, near-ties at the set's edge); the means above
   leave them out, and so does the policy loss;
 * ``mismatch/lag0_k1``, ``mismatch/lag0_k3``, ``mismatch/lag0_frac`` (``lag0_mismatch_metrics``):
-  k1 and k3 over the tokens sampled by the trainer's own pre-update version, and their fraction of
-  the valid tokens. With a lag the means above also hold the policy's drift since a token's
-  version; these hold the engine/trainer numerics alone (0 when no token has lag 0).
+  k1 and k3 over the tokens of the samples the trainer's own pre-update version sampled whole (a
+  sample continued across a weight update computed its later tokens over KV of the older
+  weights), and their fraction of the valid tokens. With a lag the means above also hold the
+  policy's drift since a token's version; these hold the engine/trainer numerics alone (0 when no
+  sample has lag 0).
 
 All reductions stay on the device; the one host sync is the final ``.tolist()``.
 """

@@ -157,7 +157,7 @@ class RolloutSection(Section):
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Top-k sampling (0 disables).")
     mode: Literal["sync", "async"] = Field("sync", description="Synchronous (on-policy) or "
                                            "asynchronous generation.")
-    max_staleness: int = Field(0, ge=0, description="Most policy versions a consumed sample may lag "
+    max_staleness: int = Field(0, ge=0, description="Async mode: most policy versions a consumed sample may lag "
                                "the trainer (S); 0 is on-policy. Lag = trainer version at the step that "
                                "consumes a sample - version of its oldest token.")
     partial_rollouts: bool | None = Field(
@@ -351,6 +351,13 @@ class ExperimentConfig(Section):
         if size > 1 and self.rollout.temperature == 0:
             raise ValueError(f"rollout.temperature=0 samples the {size} completions of a group alike (greedy): "
                              "their rewards are equal and their advantages 0; sample with a temperature > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _staleness_is_read(self) -> ExperimentConfig:
+        if self.recipe == "grpo" and self.rollout.mode == "sync" and self.rollout.max_staleness > 0:
+            raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} is read in async mode only "
+                             "(rollout.mode=async); sync mode trains on-policy")
         return self
 
     @model_validator(mode="after")

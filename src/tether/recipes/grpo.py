@@ -45,6 +45,7 @@ from tether.rollout.async_loop import AsyncRLComponents, async_rl_step
 from tether.rollout.buffer import RolloutBuffer
 from tether.rollout.generator_worker import GeneratorSettings, GeneratorWorker
 from tether.rollout.local_backend import (
+    GeneratorCrashedError,
     GeneratorTransport,
     HandoverTransport,
     InProcessTransport,
@@ -297,6 +298,12 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
                 _report_first_failures(state, components, reported)
                 writer.log_samples(state.step, samples[: config.logging.samples_per_step])
                 history.append(metrics)
+    except GeneratorCrashedError as error:
+        if not error.traceback:
+            raise
+        log = run_dir / "generator_error.log"  # the whole traceback; the error stays one line
+        log.write_text(error.traceback)
+        raise GeneratorCrashedError(f"{error} (its traceback: {log})", error.traceback) from None
     finally:
         if isinstance(components, AsyncRLComponents):
             components.transport.close()

@@ -44,9 +44,10 @@ import torch
 import torch.multiprocessing as mp
 
 from tether.data.records import PromptRecord
+from tether.errors import TetherError
 from tether.rollout.buffer import GroupRollout
 from tether.rollout.generator_worker import GeneratorCounters, GeneratorWorker
-from tether.rollout.weights import SharedWeights
+from tether.rollout.weights import ReaderExitedError, SharedWeights
 
 # What a generator process needs imported (``GeneratorWorker`` and this module's loop); the recipe
 # that builds the worker adds its own modules (``start_process_server``).
@@ -90,6 +91,21 @@ def _do_nothing() -> None:
 
 
 @contextlib.contextmanager
+def _sigint_deferred() -> Iterator[list[bool]]:
+    """SIGINT recorded (the yielded list gets an entry), not raised, while the block runs on the main
+    thread; the caller raises it after. Elsewhere signals cannot be set, and nothing is held back."""
+    caught: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield caught
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+@contextlib.contextmanager
 def _sigint_ignored() -> Iterator[None]:
     """SIGINT ignored while a process starts (on the main thread; elsewhere signals cannot be set): the
     child inherits it across exec. Ctrl-C reaches the whole process group; the trainer turns it into
@@ -112,8 +128,29 @@ def _leave_sigint_to_the_trainer(*_: Any) -> None:
     still stop on Ctrl-C."""
 
 
-class GeneratorCrashedError(RuntimeError):
-    """The generator role raised; the message carries its traceback."""
+class GeneratorCrashedError(TetherError, RuntimeError):
+    """The generator process failed or died: the message says how in one line (its exception's last
+    line, or the signal that killed it); ``traceback`` holds its whole traceback when it sent one."""
+
+    def __init__(self, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.traceback = traceback
+
+    @classmethod
+    def from_traceback(cls, text: str) -> GeneratorCrashedError:
+        last = next((line for line in reversed(text.strip().splitlines()) if line.strip()), "")
+        return cls(f"the generator process failed: {last.strip()}", text)
+
+    @classmethod
+    def from_exit(cls, exitcode: int | None) -> GeneratorCrashedError:
+        if exitcode is not None and exitcode < 0:
+            try:
+                name = signal.Signals(-exitcode).name
+            except ValueError:
+                name = "a signal"
+            hint = "; out of memory?" if -exitcode == signal.SIGKILL else ""
+            return cls(f"the generator process was killed by {name} (signal {-exitcode}{hint})")
+        return cls(f"the generator process exited with code {exitcode}")
 
 
 class GeneratorTransport(Protocol):
@@ -148,17 +185,14 @@ class InProcessTransport:
     def poll(self, timeout_s: float = 1.0) -> list[GroupRollout]:
         groups: list[GroupRollout] = []
         deadline = time.monotonic() + timeout_s
-        dropped = self._num_dropped()
+        dropped = _num_dropped(self.counters)
         while not self.worker.is_idle:
             groups.extend(self.worker.step())
             if groups and not self.run_ahead:
                 break
-            if not groups and (self._num_dropped() != dropped or time.monotonic() > deadline):
+            if not groups and (_num_dropped(self.counters) != dropped or time.monotonic() > deadline):
                 break  # a group filtered (dynamic sampling) or failed: the driver counts them against its limits
         return groups
-
-    def _num_dropped(self) -> int:
-        return self.counters.num_filtered + self.counters.num_failed
 
     def publish_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.worker.load_weights(named_tensors, version)
@@ -297,11 +331,18 @@ class ProcessTransport:
                                     args=(make_worker, weights, self._control, self._results, self._stop,
                                           num_threads, wait_for_handover, os.getpid()))
         # Spawned (no process server), the child inherits SIGINT ignored through its imports; a forked one
-        # inherits it from the server. (Around a forkserver's start, which waits for the server's
-        # imports, a Ctrl-C would be lost, not deferred.)
-        is_spawned = ctx.get_start_method() == "spawn"
-        with _sigint_ignored() if is_spawned else contextlib.nullcontext():
-            self._process.start()
+        # inherits it from the server. Around a forkserver's start (which waits for the server's imports)
+        # a Ctrl-C is held back until the child is forked, then stops it: raised mid-start, it left a
+        # child that the server forked after this process had gone, which printed a traceback.
+        if ctx.get_start_method() == "spawn":
+            with _sigint_ignored():
+                self._process.start()
+        else:
+            with _sigint_deferred() as interrupted:
+                self._process.start()
+            if interrupted:
+                self.close()
+                raise KeyboardInterrupt
 
     def is_ready(self) -> bool:
         """Whether the process has built its worker (never blocks; raises if it failed or died).
@@ -320,7 +361,7 @@ class ProcessTransport:
         with contextlib.suppress(queue.Empty):
             while True:
                 self._unpack(self._results.get(timeout=0.1))  # an "error" message raises with its traceback
-        raise GeneratorCrashedError(f"the generator process exited with code {self._process.exitcode}")
+        raise GeneratorCrashedError.from_exit(self._process.exitcode)
 
     def hand_over(self, state: dict[str, Any], named_tensors: Iterable[tuple[str, torch.Tensor]],
                   version: int) -> None:
@@ -332,6 +373,7 @@ class ProcessTransport:
     def poll(self, timeout_s: float = 1.0) -> list[GroupRollout]:
         groups: list[GroupRollout] = []
         deadline = time.monotonic() + timeout_s
+        dropped = _num_dropped(self.counters)
         while not groups:  # a "ready" message carries no group: wait on
             try:
                 groups.extend(self._unpack(self._results.get(timeout=max(0.0, deadline - time.monotonic()))))
@@ -340,6 +382,8 @@ class ProcessTransport:
             with contextlib.suppress(queue.Empty):
                 while True:
                     groups.extend(self._unpack(self._results.get_nowait()))
+            if _num_dropped(self.counters) != dropped:
+                break  # a group filtered (dynamic sampling) or failed: the driver counts them against its limits
         if not groups and not self._process.is_alive():
             self._raise_exited()
         return groups
@@ -347,7 +391,7 @@ class ProcessTransport:
     def _unpack(self, message: tuple[str, Any, GeneratorCounters | None]) -> list[GroupRollout]:
         kind, payload, counters = message
         if kind == "error":
-            raise GeneratorCrashedError(f"the generator process failed:\n{payload}")
+            raise GeneratorCrashedError.from_traceback(payload)
         self._is_ready = True  # "ready" comes first; groups only after it
         if kind == "ready":
             return []
@@ -356,7 +400,10 @@ class ProcessTransport:
         return payload
 
     def publish_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.weights.write(named_tensors, version, is_reader_alive=self._process.is_alive)
+        try:
+            self.weights.write(named_tensors, version, is_reader_alive=self._process.is_alive)
+        except ReaderExitedError:
+            self._raise_exited()  # with the error the process reported, when it sent one
 
     def reissue(self, records: list[PromptRecord]) -> None:
         self._control.put(("reissue", records))
@@ -434,3 +481,8 @@ class HandoverTransport:
     def close(self) -> None:
         self._local = None
         self.remote.close()
+
+
+def _num_dropped(counters: GeneratorCounters) -> int:
+    """Groups the generator filtered (dynamic sampling) or failed so far: a poll returns when they change."""
+    return counters.num_filtered + counters.num_failed

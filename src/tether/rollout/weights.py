@@ -53,6 +53,10 @@ def plan_buckets(named_shapes: Iterable[tuple[str, tuple[int, ...], torch.dtype]
     return slots, sizes
 
 
+class ReaderExitedError(RuntimeError):
+    """The reader's process ended while a writer waited for its acknowledgement."""
+
+
 class SharedWeights:
     """Versioned weight buckets in shared memory; picklable to a spawned process (tensors are shared)."""
 
@@ -81,7 +85,7 @@ class SharedWeights:
         deadline = time.monotonic() + timeout_s
         while self.has_unread:  # the reader may still be copying the previous version
             if not is_reader_alive():
-                raise RuntimeError("the generator process died before acknowledging the weights")
+                raise ReaderExitedError("the generator process died before acknowledging the weights")
             if time.monotonic() > deadline:
                 raise RolloutStalledError(f"the generator did not acknowledge weights {self.published_version} "
                                           f"within {timeout_s:.0f}s (stuck in a step or in a reward function)")

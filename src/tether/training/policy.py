@@ -259,8 +259,9 @@ class PolicyTrainer:
                   version: int) -> dict[str, float]:
         """``mismatch/*`` and ``is/*`` over the whole batch at once: ESS and the kept-token means are
         ratios of batch sums, which no average of micro-batch values reproduces. ``mismatch/lag0_*``:
-        over the tokens the trainer's pre-update version sampled, where engine and trainer ran the
-        same weights (in an asynchronous run the others add the policy's drift since their version)."""
+        over the samples the trainer's pre-update version sampled whole, where engine and trainer ran
+        the same weights, KV included (in an asynchronous run the others add the policy's drift since
+        their version)."""
         logp_trainer = torch.zeros_like(batch.behaviour_logprobs)  # [B, T]
         keep = torch.zeros_like(batch.mask)
         # One correction for the batch: its weights are None in every micro-batch or in none.
@@ -274,8 +275,11 @@ class PolicyTrainer:
         # PPO applies; plain PPO applies none) and nothing counts as truncated.
         out = mismatch_metrics(logp_trainer, batch.behaviour_logprobs, batch.mask, is_weights=is_weights,
                                keep_mask=keep, cap=None if is_weights is None else self.settings.correction_cap)
+        # Lag 0: samples the pre-update version sampled whole. A sample continued across a weight
+        # update (partial rollouts) holds KV of the older weights, so its newer tokens are not.
+        is_fresh_row = ((batch.versions == version) | ~batch.mask).all(dim=1, keepdim=True)  # [B, 1]
         return {**out, **lag0_mismatch_metrics(logp_trainer, batch.behaviour_logprobs, batch.mask,
-                                               batch.versions == version)}
+                                               (batch.versions == version) & is_fresh_row)}
 
 
 def _with_max_len(agg_fn: Callable[..., torch.Tensor], max_len: int | None) -> Callable[..., torch.Tensor]:
