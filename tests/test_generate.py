@@ -43,7 +43,8 @@ def test_greedy_equals_transformers_and_format(model_dir, tmp_path):
     assert len(lines[2]["token_ids"]) <= 5  # the line's own max_new_tokens
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    from tether.models.tokenizer import encode_prompt, load_tokenizer
+    from tether.data.tokenize import encode_prompt
+    from tether.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     ids = torch.tensor([encode_prompt(tokenizer, "12+34=")])
@@ -72,6 +73,12 @@ def test_greedy_equals_transformers_and_format(model_dir, tmp_path):
     ({"prompt": "x", "stop": "a", "stop_strings": "b"}, "give 'stop' or 'stop_strings', not both"),
     ({"prompt": "x", "stop_token_ids": [2, "a"]}, "field 'stop_token_ids' must be a list of token ids"),
     ({"prompt": "x", "n": 10**6}, "p.jsonl:3: n must be in [1, 65536]"),
+    ({"prompt": "x", "seed": -1}, "p.jsonl:3: seed must be in [0, 2**64), got -1"),  # not llama.cpp's "random"
+    ({"prompt": "x", "seed": 2**64}, "p.jsonl:3: seed must be in [0, 2**64)"),  # it replayed seed 0
+    ({"prompt": "x", "eos_token_id": 5}, "field 'eos_token_id' is not a tether sampling setting (tether's name "
+                                         "is 'stop_token_ids')"),
+    ({"prompt": "x", "n_predict": 4}, "(tether's name is 'max_new_tokens')"),
+    ({"prompt": "x", "sampling_params": {"temperature": 0}}, "field 'sampling_params' nests sampling settings"),
 ])
 def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path, line, needle):
     prompts = tmp_path / "p.jsonl"
@@ -98,6 +105,42 @@ def test_a_chat_prompt_for_a_tokenizer_without_a_template_names_its_line(model_d
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "p.jsonl:2: " in result.stderr and "no chat template" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_chat_prompt_its_template_refuses_names_its_line(model_dir, tmp_path):
+    """Mistral's, Llama 2's and Gemma's templates raise for a misplaced system message: one line naming
+    the prompts file's line, as training's data errors do, not a jinja traceback."""
+    import shutil
+
+    strict = tmp_path / "strict"
+    shutil.copytree(model_dir, strict)
+    (strict / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be first') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    rows = [{"prompt": "ab"}, {"prompt": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}]}]
+    result = _run(["--model", str(strict), "--prompts", str(_prompts(tmp_path / "p.jsonl", rows)),
+                   "--output", str(tmp_path / "o.jsonl")], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "p.jsonl:2: the chat template refuses this conversation" in result.stderr
+    assert "System message must be first" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_empty_prompt_fails_alone_and_a_run_that_fails_every_request_exits_non_zero(model_dir, tmp_path):
+    """An empty prompt is a request of its own: served from bos alone where the tokenizer has one (as
+    transformers and vLLM do); a mapping of the user's own under a name other tools nest settings in
+    is a field like any other. When every request fails, the lines are written and the exit is 2."""
+    rows = [{"prompt": ""}, {"prompt": "ab", "options": {"A": "yes", "B": "no"}}]
+    out = tmp_path / "o.jsonl"
+    result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / "p.jsonl", rows)),
+                   "--max-new-tokens", "3", "--output", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["finish_reason"] for line in out.read_text().splitlines()] == ["length", "length"]
+    too_long = [{"prompt": "x" * 2000}, {"prompt": "y" * 2000}]  # past the model's context: each fails alone
+    result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / "q.jsonl", too_long)),
+                   "--output", str(out)], tmp_path)
+    assert result.returncode == 2 and "error: every request failed; the first: request 0: " in result.stderr
+    assert [json.loads(line)["finish_reason"] for line in out.read_text().splitlines()] == ["error", "error"]
 
 
 def test_lines_without_a_seed_sample_with_their_own(model_dir, tmp_path):
@@ -189,6 +232,7 @@ def test_stop_token_ids_from_a_line_and_the_command_line(model_dir, tmp_path):
 @pytest.mark.parametrize(("extra", "needle"), [
     (["--output", "{tmp}"], "is a directory"),  # checked before generating, not after
     (["--n", "0"], "command line: "),
+    (["--seed", "-5"], "command line: seed must be in [0, 2**64), got -5"),
     (["--stop", ""], "--stop: a stop string must not be empty"),
     (["--device", "tpu"], "--device 'tpu': not a device (auto, cpu, cuda or cuda:N)"),
     (["--speculative", "ngram", "--draft-model", "{model}"], "--speculative ngram and --draft-model: give one"),

@@ -29,12 +29,13 @@ import torch
 from tether.builders import DTYPES, eos_token_ids, resolve_device
 from tether.data.loading import load_prompts
 from tether.data.records import PromptRecord
+from tether.data.tokenize import encode_prompt
 from tether.engine.config import EngineConfig
 from tether.engine.engine import LLMEngine
 from tether.engine.types import SamplingParams
-from tether.errors import CheckpointError, DataError, TetherError
+from tether.errors import DataError, RequestError, TetherError
 from tether.models.checkpoint import load_model, read_model_config
-from tether.models.tokenizer import check_tokenizer_fits, encode_prompt, load_tokenizer
+from tether.models.tokenizer import check_tokenizer_fits, load_tokenizer
 
 OVERRIDABLE = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
                "seed": int, "n": int}
@@ -47,7 +48,18 @@ FOREIGN_FIELDS = {"temp": "temperature", "max_tokens": "max_new_tokens", "max_co
                   "min_length": None, "min_tokens": None, "min_new_tokens": None, "typical_p": None,
                   "num_beams": None, "use_beam_search": None, "logit_bias": None, "bad_words": None,
                   "bad_words_ids": None, "no_repeat_ngram_size": None, "epsilon_cutoff": None, "eta_cutoff": None,
-                  "top_a": None, "logprobs": None, "prompt_logprobs": None, "include_stop_str_in_output": None}
+                  "top_a": None, "logprobs": None, "prompt_logprobs": None, "include_stop_str_in_output": None,
+                  # transformers' generate, llama.cpp, vLLM, OpenAI, TGI
+                  "eos_token_id": "stop_token_ids", "n_predict": "max_new_tokens", "num_samples": "n",
+                  "max_new_token": "max_new_tokens", "early_stopping": None, "penalty_alpha": None,
+                  "repeat_penalty": None, "repeat_last_n": None, "mirostat": None, "mirostat_tau": None,
+                  "mirostat_eta": None, "tfs_z": None, "n_probs": None, "min_keep": None, "dry_multiplier": None,
+                  "skip_special_tokens": None, "truncate_prompt_tokens": None, "top_logprobs": None,
+                  "return_full_text": None, "spaces_between_special_tokens": None, "guided_json": None,
+                  "guided_regex": None, "response_format": None}
+# Settings nested under one field, as other tools' request bodies hold them (a mapping with a sampling
+# setting's name in it; any other mapping there is the user's own field): tether reads flat fields.
+NESTED_FIELDS = ("sampling_params", "generation_config", "generation_kwargs", "parameters", "options")
 
 
 def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> SamplingParams:
@@ -60,6 +72,11 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
     # Other fields are the user's own (an answer, an id): kept, unused; but not other tools' names for
     # sampling settings, which would silently not apply.
     for key in fields:
+        nested = fields[key]
+        if key in NESTED_FIELDS and isinstance(nested, dict) and any(
+                name in OVERRIDABLE or name in STOP_FIELDS or name in FOREIGN_FIELDS for name in nested):
+            raise DataError(f"{where}: field '{key}' nests sampling settings; tether reads them as fields of the "
+                            f"line ({', '.join(OVERRIDABLE)}, stop, stop_token_ids)")
         if key in FOREIGN_FIELDS:
             ours = FOREIGN_FIELDS[key]
             hint = f"tether's name is '{ours}'" if ours else "tether generate has no such setting"
@@ -103,7 +120,7 @@ def _encode(tokenizer: Any, record: PromptRecord, where: str) -> list[int]:
     """The line's prompt as token ids; a prompt the tokenizer cannot render names its line."""
     try:
         return encode_prompt(tokenizer, record.prompt)
-    except CheckpointError as error:  # a chat prompt for a tokenizer without a chat template
+    except DataError as error:  # a chat prompt its template refuses, or a tokenizer without one
         raise DataError(f"{_line(record, where)}: {error}") from None
 
 
@@ -128,7 +145,7 @@ def run_generate(args: argparse.Namespace) -> Path:
     _check_flags(args, model_config.vocab_size)
     tokenizer = load_tokenizer(args.model)
     check_tokenizer_fits(tokenizer, model_config.vocab_size, args.model)
-    records = load_prompts(args.prompts)
+    records = load_prompts(args.prompts, allow_empty=True)  # an empty prompt fails alone, in the engine
     base = {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed,
             "stop_strings": tuple(args.stop), "stop_token_ids": tuple(args.stop_token_id)}
@@ -164,6 +181,8 @@ def run_generate(args: argparse.Namespace) -> Path:
     # On stderr: --output /dev/stdout gets the JSON lines alone.
     print(f"wrote {len(completions)} samples for {len(records)} prompts to {out}{failed}", file=sys.stderr,
           flush=True)
+    if completions and num_failed == len(completions):  # a script's `&&` must not go on
+        raise RequestError(f"every request failed; the first: {completions[0].error}")
     return out
 
 

@@ -10,7 +10,9 @@ from tether.data import (
     tokenize_prompt,
     tokenize_sft,
 )
+from tether.data.tokenize import encode_prompt
 from tether.errors import DataError
+from tether.models import build_char_tokenizer
 
 BOS, EOS = 1, 2
 
@@ -133,13 +135,12 @@ def test_preference_pair_shares_the_prompt(char_tokenizer):
     assert masked_text(char_tokenizer, rejected) == "3<eos>"
 
 
-def test_prompt_convention_matches_the_models_tokenizer_helper():
-    # The engine encodes prompts with tether.models.tokenizer.encode_prompt; SFT must train on the same ids.
-    tokenizer_module = pytest.importorskip("tether.models.tokenizer")
-    tokenizer = tokenizer_module.build_char_tokenizer()
+def test_sft_trains_on_the_prompt_ids_the_engine_is_given():
+    # `tether generate` and the RL loop encode prompts with encode_prompt; SFT must train on the same ids.
+    tokenizer = build_char_tokenizer()  # the product's own, with its chat template
     for prompt in ["37+485=", [{"role": "system", "content": "add"}, {"role": "user", "content": "1+2="}]]:
         record = SFTRecord(prompt, "3")
-        expected = tokenizer_module.encode_prompt(tokenizer, prompt)
+        expected = encode_prompt(tokenizer, prompt)
         assert tokenize_prompt(record, tokenizer) == expected
         example = tokenize_sft(record, tokenizer, max_len=128)
         assert example.input_ids[: len(expected)] == expected

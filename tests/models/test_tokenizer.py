@@ -1,8 +1,9 @@
 import pytest
 from transformers import AutoTokenizer
 
+from tether.data.tokenize import encode_prompt
 from tether.errors import CheckpointError
-from tether.models import build_char_tokenizer, encode_prompt, load_tokenizer
+from tether.models import build_char_tokenizer, load_tokenizer
 
 TEXT = "Hello, world!\n  x = (1 + 2) * 3 .  ~`{}|"
 

@@ -24,6 +24,7 @@ Row formats:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -47,9 +48,12 @@ Row = tuple[str, Any]  # (where, raw row): "data/train.jsonl:17", {...}
 RecordT = TypeVar("RecordT")
 
 
-def load_prompts(source: Source, *, split: str = "train", limit: int | None = None) -> list[PromptRecord]:
-    """RL prompts; every column other than ``prompt`` is kept in ``fields`` for the reward."""
-    return _load(source, split, limit, _prompt_from_row)
+def load_prompts(source: Source, *, split: str = "train", limit: int | None = None,
+                 allow_empty: bool = False) -> list[PromptRecord]:
+    """RL prompts; every column other than ``prompt`` is kept in ``fields`` for the reward. An empty
+    prompt is a ``DataError`` unless ``allow_empty`` (``tether generate``: the engine then serves it
+    from the tokenizer's bos alone, or fails that request alone)."""
+    return _load(source, split, limit, functools.partial(_prompt_from_row, allow_empty=allow_empty))
 
 
 def load_sft(source: Source, *, split: str = "train", limit: int | None = None) -> list[SFTRecord]:
@@ -90,8 +94,8 @@ def _require(row: dict[str, Any], name: str, where: str, hint: str = "") -> Any:
     return row[name]
 
 
-def _prompt_from_row(row: dict[str, Any], where: str, index: int) -> PromptRecord:
-    prompt = check_text(_require(row, "prompt", where), where, "prompt")
+def _prompt_from_row(row: dict[str, Any], where: str, index: int, *, allow_empty: bool = False) -> PromptRecord:
+    prompt = check_text(_require(row, "prompt", where), where, "prompt", allow_empty=allow_empty)
     fields = {k: v for k, v in row.items() if k != "prompt"}
     return PromptRecord(prompt=prompt, fields=fields, index=index, where=where)
 

@@ -106,10 +106,10 @@ def _check_encodable(text: str, where: str, what: str) -> None:
         raise DataError(f"{where}: {what} holds an unpaired surrogate at character {error.start}") from None
 
 
-def check_text(value: Any, where: str, name: str) -> Text:
-    """A non-empty string or a valid chat message list."""
+def check_text(value: Any, where: str, name: str, *, allow_empty: bool = False) -> Text:
+    """A non-empty string (or an empty one, ``allow_empty``) or a valid chat message list."""
     if isinstance(value, str):
-        if not value:
+        if not value and not allow_empty:
             raise DataError(f"{where}: field '{name}' is an empty string")
         _check_encodable(value, where, f"field '{name}'")
         return value

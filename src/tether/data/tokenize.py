@@ -82,11 +82,22 @@ class SFTExample:
 
 
 def tokenize_prompt(record: HasPrompt, tokenizer: Tokenizer) -> list[int]:
-    """Prompt token ids, ending where generation (or the completion) starts."""
-    if isinstance(record.prompt, str):
+    """Prompt token ids, ending where generation (or the completion) starts (``encode_prompt``)."""
+    return encode_prompt(tokenizer, record.prompt)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """Token ids for a prompt, the one definition the engine's prompts and training's share.
+
+    Chat messages go through the tokenizer's chat template with ``add_generation_prompt=True``; the
+    rendered text already holds any special tokens, so it is encoded without adding more. Plain text is
+    encoded without special tokens and prefixed with bos when the tokenizer has one. A template that
+    refuses the conversation, or a tokenizer without one, is a one-line ``DataError``.
+    """
+    if isinstance(prompt, str):
         bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-        return bos + _encode(tokenizer, record.prompt)
-    return _encode(tokenizer, _render_chat(tokenizer, record.prompt, add_generation_prompt=True))
+        return bos + _encode(tokenizer, prompt)
+    return _encode(tokenizer, _render_chat(tokenizer, prompt, add_generation_prompt=True))
 
 
 def _where(record: SFTRecord) -> str:
@@ -173,7 +184,8 @@ def _with_eos(ids: list[int], eos: int) -> list[int]:
 
 def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("chat-formatted data needs a tokenizer with a chat_template; this tokenizer has none")
+        raise DataError("chat prompts need a tokenizer with a chat template (chat_template); this tokenizer has "
+                        "no chat template")
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as error:  # a template's raise_exception(...) ("System role not supported"), a missing key

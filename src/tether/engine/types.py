@@ -112,6 +112,8 @@ class SamplingParams:
                 object.__setattr__(self, "seed", operator.index(self.seed))
             except TypeError:
                 raise ValueError(f"seed must be an integer or None, got {self.seed!r}") from None
+            if not 0 <= self.seed < 2**64:  # the stream takes 64 bits: -1 would replay 2**64 - 1's samples
+                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:

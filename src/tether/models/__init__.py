@@ -5,7 +5,7 @@ from tether.models.checkpoint import load_model, read_model_config, save_checkpo
 from tether.models.config import ModelConfig, RopeScaling
 from tether.models.decoder import Decoder
 from tether.models.rope import RotaryEmbedding, apply_rope, compute_inv_freq
-from tether.models.tokenizer import build_char_tokenizer, encode_prompt, load_tokenizer
+from tether.models.tokenizer import build_char_tokenizer, load_tokenizer
 
 __all__ = [
     "AttentionBackend",
@@ -19,7 +19,6 @@ __all__ = [
     "apply_rope",
     "build_char_tokenizer",
     "compute_inv_freq",
-    "encode_prompt",
     "load_model",
     "load_tokenizer",
     "read_model_config",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -112,20 +112,3 @@ def _saved_class(directory: Path) -> str | None:
     except (OSError, ValueError):
         return None
     return config.get("tokenizer_class") if isinstance(config, dict) else None
-
-
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, Any]]) -> list[int]:
-    """Token ids for a prompt.
-
-    Chat messages go through the tokenizer's chat template with ``add_generation_prompt=True``; the
-    rendered text already holds any special tokens, so it is encoded without adding more. Plain text is
-    encoded without special tokens and prefixed with bos when the tokenizer has one.
-    """
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-        return [tokenizer.bos_token_id, *ids] if tokenizer.bos_token_id is not None else list(ids)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise CheckpointError(f"tokenizer {tokenizer.name_or_path!r} has no chat template for chat prompts")
-    # Render to text, then encode: the return type of tokenize=True differs across transformers versions.
-    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
