@@ -105,7 +105,7 @@ def test_split_of_a_dataset_dict(tmp_path):
     from tether.builders import build_prompt_data
     from tether.config import load_config
 
-    config = load_config(None, [f"data.train={tmp_path / 'dd'}", f"data.eval={tmp_path / 'dd'}"])
+    config = load_config(None, ["recipe=sft", f"data.train={tmp_path / 'dd'}", f"data.eval={tmp_path / 'dd'}"])
     data = build_prompt_data(config.data, seed=0)
     assert (len(data.train), len(data.eval)) == (len(PROMPT_ROWS), 1)
 

@@ -133,15 +133,15 @@ def test_sync_mode_with_oversampling_stays_on_policy(tiny_policy, tmp_path):
 
 
 def test_partial_rollouts_default_to_the_staleness_bound_in_force():
-    """Sync mode is on-policy whatever rollout.max_staleness says: a leftover S does not turn partial
-    rollouts on there (groups in flight would be aborted and re-issued instead of finished)."""
+    """Sync mode is on-policy (a staleness bound there is refused): dynamic sampling alone does not
+    turn partial rollouts on there (groups in flight would be aborted and re-issued instead of finished)."""
     from tether.config import load_config
     from tether.recipes.grpo import is_partial_rollouts
 
     def partial(*overrides: str) -> bool:
         return is_partial_rollouts(load_config(None, list(overrides)))
 
-    assert not partial("rollout.mode=sync", "rollout.max_staleness=2", "rollout.dynamic_sampling=true")
+    assert not partial("rollout.mode=sync", "rollout.dynamic_sampling=true")
     assert partial("rollout.mode=async", "rollout.max_staleness=2")
     assert partial("rollout.mode=sync", "rollout.oversample=2")
     assert not partial("rollout.mode=async", "rollout.max_staleness=2", "rollout.partial_rollouts=false")
