@@ -227,6 +227,21 @@ def test_stop_token_ids_from_a_line_and_the_command_line(model_dir, tmp_path):
     for line in (by_line, by_flag):  # the stop token is kept, as an EOS is
         assert (line["token_ids"], line["finish_reason"]) == (free["token_ids"][:3], "stop")
     assert other["finish_reason"] in ("length", "stop")
+    # The checkpoint's generation_config.json names end-of-turn ids beside the tokenizer's eos (Llama
+    # 3's <|eot_id|>): they stop a sample too, as in transformers' generate and vLLM.
+    import shutil
+
+    ended = tmp_path / "with_generation_config"
+    shutil.copytree(model_dir, ended)
+    (ended / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, third]}))
+    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ab", "seed": 3}])
+    result = _run(["--model", str(ended), "--prompts", str(prompts), "--max-new-tokens", "12",
+                   "--output", str(tmp_path / "o.jsonl")], tmp_path)
+    [line] = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert (line["token_ids"], line["finish_reason"]) == (free["token_ids"][:3], "stop")
+    (ended / "generation_config.json").write_text('{"eos_token_id": "<|eot_id|>"}')
+    result = _run(["--model", str(ended), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")], tmp_path)
+    assert result.returncode == 2 and "generation_config.json: eos_token_id must be a token id" in result.stderr
 
 
 @pytest.mark.parametrize(("extra", "needle"), [

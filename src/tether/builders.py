@@ -23,7 +23,7 @@ from tether.data.tasks import Task, get_task
 from tether.engine.config import EngineConfig
 from tether.engine.engine import LLMEngine
 from tether.errors import ConfigError, DataError
-from tether.models.checkpoint import load_model
+from tether.models.checkpoint import generation_eos_ids, load_model
 from tether.models.config import ModelConfig
 from tether.models.decoder import Decoder
 from tether.models.tokenizer import build_char_tokenizer, check_tokenizer_fits, load_tokenizer
@@ -170,13 +170,18 @@ def build_rewards(config: ExperimentConfig, task: Task | None) -> RewardComputer
                            for spec in config.rewards])
 
 
-def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The tokenizer's eos as engine stop ids (none when it has no eos)."""
-    return tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+def eos_token_ids(tokenizer: Any, checkpoint: str | Path | None = None) -> tuple[int, ...]:
+    """The engine's stop ids: the tokenizer's eos (none when it has no eos) and the ones the
+    checkpoint's generation_config.json names (``generation_eos_ids``), as vLLM stops."""
+    ids = [i for i in (tokenizer.eos_token_id,) if i is not None]
+    return tuple(dict.fromkeys([*ids, *generation_eos_ids(checkpoint)]))
 
 
-def build_generator(model: torch.nn.Module, tokenizer: Any, engine: EngineSection | None = None) -> LLMEngine:
-    """The rollout engine for a policy: its own copy of the weights, synced by ``update_weights``."""
+def build_generator(model: torch.nn.Module, tokenizer: Any, engine: EngineSection | None = None,
+                    checkpoint: str | Path | None = None) -> LLMEngine:
+    """The rollout engine for a policy (loaded from ``checkpoint``, if from one): its own copy of the
+    weights, synced by ``update_weights``."""
     # Every ``engine.*`` config key is an ``EngineConfig`` field of the same name.
-    config = EngineConfig(**(engine or EngineSection()).model_dump(), stop_token_ids=eos_token_ids(tokenizer))
+    config = EngineConfig(**(engine or EngineSection()).model_dump(),
+                          stop_token_ids=eos_token_ids(tokenizer, checkpoint))
     return LLMEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer, config=config)

@@ -134,7 +134,7 @@ def build_engine(args: argparse.Namespace, tokenizer: Any, device: torch.device)
     model = load_model(args.model, dtype=dtype, device=device)
     draft = load_model(args.draft_model, dtype=dtype, device=device) if args.draft_model else None
     speculative = "draft" if draft is not None else args.speculative
-    config = EngineConfig(stop_token_ids=eos_token_ids(tokenizer), seed=args.seed, speculative=speculative,
+    config = EngineConfig(stop_token_ids=eos_token_ids(tokenizer, args.model), seed=args.seed, speculative=speculative,
                           num_speculative_tokens=args.num_speculative_tokens)
     return LLMEngine(model, tokenizer=tokenizer, config=config, draft_model=draft)
 

@@ -49,8 +49,8 @@ class LLMEngine:
 
     A sample stops at the ids in ``EngineConfig.stop_token_ids`` and its own ``stop_token_ids``:
     unlike vLLM, a ``tokenizer`` passed here adds no EOS of its own (it only decodes, for stop strings);
-    ``tether.builders.eos_token_ids(tokenizer)`` gives a tokenizer's, which the loops and ``tether
-    generate`` pass.
+    ``tether.builders.eos_token_ids(tokenizer, checkpoint)`` gives a tokenizer's and its checkpoint's
+    generation_config.json ones, which the loops and ``tether generate`` pass.
 
     The engine runs ``model`` itself (no copy: ``tether.builders.build_generator`` makes one). On CPU
     it changes the memory layout of the model's linear weights (``use_transposed_weight_layout``: same

@@ -172,6 +172,29 @@ def _remove_old_weights(directory: Path) -> None:
         file.unlink(missing_ok=True)
 
 
+def generation_eos_ids(path: str | Path | None) -> tuple[int, ...]:
+    """The end-of-sequence ids ``path/generation_config.json`` names (an int or a list: Llama 3's
+    instruct models end a turn with ``<|eot_id|>`` beside the tokenizer's ``<|end_of_text|>``, Qwen's
+    with ``<|im_end|>`` beside ``<|endoftext|>``), as transformers' ``generate`` and vLLM stop on them;
+    () without that file or key. A file that is no JSON object, or ids that are no non-negative
+    integers, are a one-line ``CheckpointError``."""
+    if path is None or not (Path(path) / "generation_config.json").is_file():
+        return ()
+    file = Path(path) / "generation_config.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise CheckpointError(f"{file}: not a readable JSON file ({type(error).__name__})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    ids = data.get("eos_token_id")
+    ids = [] if ids is None else [ids] if not isinstance(ids, list) else ids
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, "
+                              f"got {data['eos_token_id']!r}")
+    return tuple(ids)
+
+
 def save_checkpoint(model: Decoder, tokenizer: Any, path: str | Path, source: str | Path | None = None) -> Path:
     """A run's checkpoint (``final/``): ``save_model``, the tokenizer, and the files of the ``source``
     checkpoint it was trained from that say how to generate with it (``CARRIED_FILES``:

@@ -102,11 +102,16 @@ def policy_settings(config: ExperimentConfig) -> PolicyLossSettings:
         grad_clip=t.grad_clip, share_prompts=t.share_prompts, max_completion_len=config.rollout.max_new_tokens)
 
 
+def checkpoint_of(config: ExperimentConfig) -> str | None:
+    """The checkpoint directory the policy starts from (None: built from scratch)."""
+    return config.init_from or config.model.path
+
+
 def sampling_params(config: ExperimentConfig, tokenizer: Any) -> SamplingParams:
     r = config.rollout
     return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                           max_new_tokens=r.max_new_tokens, n=r.group_size,
-                          stop_token_ids=eos_token_ids(tokenizer), seed=config.seed)
+                          stop_token_ids=eos_token_ids(tokenizer, checkpoint_of(config)), seed=config.seed)
 
 
 def build_trainer(config: ExperimentConfig, model: Any) -> PolicyTrainer:
@@ -198,7 +203,8 @@ def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
                      inputs: RunInputs | None = None) -> RLComponents:
     data = inputs.data if inputs is not None else rl_prompt_data(config, model, tokenizer)[0]
     return RLComponents(
-        generator=build_generator(model, tokenizer, config.engine), trainer=build_trainer(config, model),
+        generator=build_generator(model, tokenizer, config.engine, checkpoint_of(config)),
+        trainer=build_trainer(config, model),
         rewards=inputs.rewards if inputs is not None else build_rewards(config, data.task),
         prompts=DataCursor(data.train, seed=config.seed),
         encode=lambda record: tokenize_prompt(record, tokenizer),
@@ -218,7 +224,8 @@ def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
         max_staleness=max_staleness(config), num_extra_groups=r.oversample,
         is_partial_rollouts=is_partial_rollouts(config), is_dynamic_sampling=r.dynamic_sampling)
     return GeneratorWorker(
-        build_generator(model, tokenizer, config.engine), DataCursor(data.train, seed=config.seed),
+        build_generator(model, tokenizer, config.engine, checkpoint_of(config)),
+        DataCursor(data.train, seed=config.seed),
         inputs.rewards if inputs is not None else build_rewards(config, data.task),
         lambda record: tokenize_prompt(record, tokenizer),
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True), settings)
@@ -308,5 +315,5 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
         if isinstance(components, AsyncRLComponents):
             components.transport.close()
     final_dir = run_dir / "final"
-    save_checkpoint(model, tokenizer, final_dir, source=config.init_from or config.model.path)
+    save_checkpoint(model, tokenizer, final_dir, source=checkpoint_of(config))
     return GRPOResult(run_dir, final_dir, history, model, tokenizer)
