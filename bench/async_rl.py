@@ -48,7 +48,7 @@ from tether.config import load_config  # noqa: E402
 from tether.demo import COMMON, GRPO, SFT, held_out_accuracy  # noqa: E402
 from tether.recipes.grpo import generator_process_modules, run_grpo  # noqa: E402
 from tether.recipes.sft import run_sft  # noqa: E402
-from tether.rollout.local_backend import start_process_server  # noqa: E402
+from tether.rollout.process_server import start_process_server  # noqa: E402
 
 # The workloads: the demo task (the issue's, completions ~3 tokens, training dominates a step) and a
 # generation-heavy one (copy strings of 10-30 characters: completions ~20 tokens), where generation

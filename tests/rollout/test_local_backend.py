@@ -22,8 +22,9 @@ from tether.errors import TetherError
 from tether.metrics import read_metrics
 from tether.recipes import run_train
 from tether.recipes.grpo import build_generator_worker, run_grpo
+from tether.rollout.generator_process import TrainerWatch
 from tether.rollout.generator_worker import GeneratorCounters
-from tether.rollout.local_backend import GeneratorCrashedError, HandoverTransport, ProcessTransport, TrainerWatch
+from tether.rollout.local_backend import GeneratorCrashedError, HandoverTransport, ProcessTransport
 from tether.rollout.weights import SharedWeights
 from tether.training.scoring import SamplingView, completion_logprobs
 
@@ -285,7 +286,7 @@ def test_close_does_not_wait_for_a_process_still_starting(tiny_policy):
 
 PROBE = """
 import os
-from tether.rollout.local_backend import process_context, start_process_server
+from tether.rollout.process_server import process_context, start_process_server
 
 def report(results):
     import marker  # already imported in the server: the module's code ran there, not here

@@ -38,7 +38,7 @@ from tether.engine.rng import SampleRNG
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput, num_kv_blocks_for
 from tether.engine.sampler import Detokenizer, Sampler, finish_reason
 from tether.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from tether.engine.sequence import Sequence, sample_seed
+from tether.engine.sequence import Sequence, draw_counts, rewind_draws, sample_seed
 from tether.engine.speculative import verify
 from tether.engine.types import Completion, EngineStats, SamplingParams
 from tether.errors import CheckpointError, RequestError, one_line
@@ -195,7 +195,7 @@ class LLMEngine:
         stopped; the caller may step on. Blocks this step wrote were never offered to the prefix
         cache (that happens after the forward), so none of it serves a later prompt. (What the step
         finished comes out of the next one; a token whose stop check it cut short was taken back,
-        and the draws of tokens it did not emit given back: ``_emit``, ``_rewind_draws``.)"""
+        and the draws of tokens it did not emit given back: ``_emit``, ``rewind_draws``.)"""
         for runner in (self.runner, self._draft_runner):
             if runner is not None:
                 runner.decode_kv.clear()  # copies of KV that the recompute writes again
@@ -256,7 +256,7 @@ class LLMEngine:
         if not samplers:
             return  # a step of prefill chunks only
         seqs, _, logits = self._with_groups(samplers, [1] * len(samplers), logits)
-        counts = _draw_counts(seqs)
+        counts = draw_counts(seqs)
         try:
             # These rows of the step's logits are read by nothing else: sampled in place.
             # A draft-model engine's rows draw by output position, in plain steps too (Sampler.sample).
@@ -268,7 +268,7 @@ class LLMEngine:
                 self._emit(seq, [token_id], [logprob])
                 self._collect_if_finished(seq, done)
         except BaseException:
-            _rewind_draws(seqs, counts)
+            rewind_draws(seqs, counts)
             raise
         self.scheduler.remove_finished()
 
@@ -282,11 +282,11 @@ class LLMEngine:
         num_rows = [proposals[seq.seq_id].num_tokens + 1 for seq in verifiers]
         seqs, origins, logits = self._with_groups(verifiers, num_rows, logits)
         drafts = [proposals[verifiers[i].seq_id] for i in origins]
-        counts = _draw_counts(seqs)
+        counts = draw_counts(seqs)
         try:
             self._accept(logits, seqs, drafts, done)
         except BaseException:
-            _rewind_draws(seqs, counts)
+            rewind_draws(seqs, counts)
             raise
         self.scheduler.remove_finished()
 
@@ -480,18 +480,3 @@ class LLMEngine:
         if seqs is not None and all(seq.is_finished for seq in seqs):
             del self._requests[request_id]
 
-
-def _draw_counts(seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """Each sequence's (random draws, output tokens) before a step samples: what ``_rewind_draws``
-    restores if the step raises."""
-    return [(seq.rng.num_draws, seq.num_output_tokens) for seq in seqs]
-
-
-def _rewind_draws(seqs: list[Sequence], counts: list[tuple[int, int]]) -> None:
-    """After a step raised while sampling: a sequence's stream keeps the draws of the tokens it
-    emitted (one each, as plain steps count them) and gives back the rest, so it samples the same
-    tokens when it steps again as it would have uninterrupted. A stream the step did not advance
-    (greedy, or drawn by output position) is left as it is."""
-    for seq, (num_draws, num_outputs) in zip(seqs, counts):
-        if seq.rng.num_draws != num_draws:
-            seq.rng.num_draws = num_draws + seq.num_output_tokens - num_outputs

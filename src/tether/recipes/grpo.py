@@ -50,8 +50,8 @@ from tether.rollout.local_backend import (
     HandoverTransport,
     InProcessTransport,
     ProcessTransport,
-    start_process_server,
 )
+from tether.rollout.process_server import start_process_server
 from tether.rollout.sync_loop import LoopState, RLComponents, rl_step
 from tether.rollout.weights import SharedWeights
 from tether.training.optim import build_optimizer, build_scheduler
@@ -242,7 +242,7 @@ def generator_process_modules(tokenizer: Any = None) -> list[str]:
 
 def start_generator_process_server(config: ExperimentConfig, tokenizer: Any = None) -> None:
     """For an asynchronous run, start the server its generator process forks from
-    (``tether.rollout.local_backend.start_process_server``) now, so that its imports overlap the
+    (``tether.rollout.process_server.start_process_server``) now, so that its imports overlap the
     caller's own set-up (model, data, an SFT stage) instead of delaying the generator's start."""
     if config.rollout.mode == "async":
         start_process_server(generator_process_modules(tokenizer))
