@@ -9,8 +9,11 @@ hang off the same ``log`` call. Metric names are public interface; the ones a st
 ``reward/errors`` ...).
 
 ``throughput/step_tokens_per_s`` (completion tokens trained on over the step's time) means the same in
-both loops; ``throughput/gen_tokens_per_s`` is the generation phase's rate in the sync loop and, in the
-asynchronous one, where generation overlaps training in another process, equals the former.
+both loops; ``throughput/gen_tokens_per_s`` is the engine's rate over ``time/gen_s``: the generation
+phase in the sync loop and wherever the generator runs in the trainer's thread (sync mode with
+oversampling or dynamic sampling, an async run's start-up), the whole step where a generator process
+overlaps training; there it counts every token sampled since the last step, those of groups aborted,
+filtered or not yet consumed too.
 """
 
 from __future__ import annotations

@@ -481,3 +481,9 @@ def test_a_staleness_bound_in_sync_mode_is_refused():
     """Sync mode trains on-policy: a bound there would be written to config.yaml and never read."""
     assert "read in async mode only" in config_error(overrides=["rollout.max_staleness=4"])
     assert load_config(None, ["rollout.mode=async", "rollout.max_staleness=4"]).rollout.max_staleness == 4
+
+
+def test_evaluating_sft_without_held_out_data_is_refused():
+    overrides = ["recipe=sft", "data.task=null", "data.train=train.jsonl", "trainer.eval_every=5"]
+    assert "no held-out data to evaluate on; set data.eval" in config_error(overrides=overrides)
+    load_config(None, [*overrides, "data.eval=held_out.jsonl"])

@@ -81,6 +81,22 @@ def test_staleness_k_is_never_exceeded_and_is_reached_by_a_fast_generator(tiny_p
     assert [m["mismatch/lag0_frac"] > 0 for m in history] == [True, False, False, True, False, False]
 
 
+def test_generation_rate_of_an_in_process_generator_is_over_its_polls(tiny_policy):
+    """Sync mode with oversampling runs the driver with the generator in this thread: generation is
+    the wait for data, not the step (training does not overlap it), and every token the engine
+    sampled counts, those of the extra groups too."""
+    config = tiny_config("rollout.mode=sync", "rollout.oversample=2")
+    components, trained = in_process(config, tiny_policy, run_ahead=False)
+    history = run_steps(components, 3)
+    engine = components.transport.worker.engine
+    for m in history:
+        assert m["time/gen_s"] == m["time/wait_s"] < m["time/step_s"]
+    generated = sum(m["throughput/gen_tokens_per_s"] * m["time/gen_s"] for m in history)
+    assert generated == pytest.approx(engine.stats.num_generated_tokens, rel=1e-6)
+    trained_tokens = sum(int(batch.mask.sum()) for _, batch in trained)
+    assert engine.stats.num_generated_tokens > trained_tokens  # the extra groups' tokens
+
+
 def test_oversampling_early_cut_keeps_every_prompt(tiny_policy):
     config = tiny_config("rollout.mode=async", "rollout.max_staleness=1", "rollout.oversample=2",
                          "rollout.max_new_tokens=8")

@@ -95,14 +95,18 @@ def test_a_group_is_aborted_by_its_oldest_token_not_by_when_it_was_admitted(tiny
     assert len(kept) == len(queued) and all(set(c.versions) == {1} for g in kept for c in g.completions)
 
 
-def test_groups_that_can_never_be_trained_on_are_aborted_and_reissued(tiny_policy):
-    worker = make_worker(tiny_policy, "rollout.max_staleness=0", "rollout.partial_rollouts=true")
+@pytest.mark.parametrize("partial", ["true", "false"])
+def test_groups_that_can_never_be_trained_on_are_aborted_and_reissued(tiny_policy, partial):
+    """Partial rollouts off too: the update would wait for groups that can only finish too stale to
+    train; they are aborted at once and the update lands."""
+    worker = make_worker(tiny_policy, "rollout.max_staleness=0", f"rollout.partial_rollouts={partial}")
     for _ in range(2):
         worker.step()
     in_flight = [g.record for g in sorted(worker.in_flight.values(), key=lambda g: g.uid)]
     worker.load_weights(perturbed(worker), version=1)  # their version-0 tokens would have lag 1 > S
     assert worker.counters.num_aborted == 3 and worker.counters.num_reissued == 3
     assert list(worker.reissue_queue) == in_flight and worker.controller.num_started == 0
+    assert worker.engine.policy_version == 1  # nothing left to wait for
     groups = run_until_groups(worker)
     groups.sort(key=lambda g: g.uid)
     assert [g.record for g in groups[:3]] == in_flight  # re-issued first, and now fully on version 1

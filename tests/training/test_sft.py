@@ -1,11 +1,13 @@
 """SFT's packed loss: several examples in one row score as each example alone."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from helpers.hf_tiny import make_hf_checkpoint
 from tether.data.batching import pack_by_token_budget
 from tether.data.tokenize import SFTExample
+from tether.errors import DataError
 from tether.models.checkpoint import load_model
 from tether.training.sft import packed_nll
 
@@ -78,6 +80,12 @@ def test_examples_longer_than_the_models_context_are_cut_there_with_one_warning(
     assert max(lengths) == 32 and min(lengths) < 32
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "1 of 2 examples are longer than the model's context of 32 tokens" in warnings[0]
+    # A prompt past the context leaves no room for its completion: the error names the context, not
+    # data.max_seq_len (256, which it fits).
+    data.write_text(json.dumps({"prompt": "1+2=" * 10, "completion": "3"}) + "\n")
+    with pytest.raises(DataError, match=r"sft.jsonl:1: prompt is 41 tokens, leaving no room for the completion "
+                                        r"within max_len=32 \(the model's context, max_position_embeddings\)"):
+        run_sft(config, tmp_path / "run2")
 
 
 def test_final_checkpoint_keeps_the_sources_generation_config(tmp_path):

@@ -2,7 +2,7 @@
 
 YAML files only supply values; the schema here is the single source of truth for defaults and help
 (`tether train --help` lists every key with its default and help, generated from here; a config
-reference in the docs is ROADMAP item 5). Library
+reference in the docs is planned). Library
 components never receive this object whole: builders and recipes translate the relevant section into
 plain arguments.
 """
@@ -100,7 +100,9 @@ class DataSection(Section):
 
     train: str | None = Field(
         None, description="Training data: a JSONL or Parquet file, a `datasets` directory or name. "
-        "Setting it turns the default `data.task` off.")
+        "Setting it turns the default `data.task` off. Rows: `prompt` (grpo); `prompt` + `completion`, "
+        "`messages` or `text` (sft: the loss is on the completion, a `messages` row's last assistant "
+        "message (earlier turns are context), a chat `completion` whole (as TRL), or all of a `text`).")
     eval: str | None = Field(None, description="Held-out data in the same formats as `data.train`.")
     train_split: str = Field("train", description="Split of `data.train` when it is a `datasets` "
                              "dataset with splits.")
@@ -250,7 +252,8 @@ class TrainerSection(Section):
     share_prompts: bool = Field(True, description="RL: rows with the same prompt (a GRPO group) share "
                                 "one forward over it in the trainer; exact, and n times less prompt "
                                 "compute for groups of n.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end); the sft recipe.")
+    eval_every: int = Field(0, ge=0, description="Evaluate the held-out loss every N steps (0: only at the end); "
+                            "the sft recipe, with held-out data (a task's, or data.eval).")
     num_threads: int = Field(0, ge=0, le=MAX_THREADS, description="torch CPU threads (0: leave torch's "
                              "default; in async mode half of the cores, as rollout.generator_threads for the "
                              "generator process).")
@@ -369,6 +372,9 @@ class ExperimentConfig(Section):
         if self.recipe == "grpo" and self.trainer.eval_every > 0:
             raise ValueError(f"trainer.eval_every={self.trainer.eval_every}: the grpo recipe does not evaluate "
                              "during training (the sft recipe does); leave it 0")
+        if self.recipe == "sft" and self.trainer.eval_every > 0 and self.data.task is None and self.data.eval is None:
+            raise ValueError(f"trainer.eval_every={self.trainer.eval_every}: there is no held-out data to evaluate "
+                             "on; set data.eval")
         if self.recipe == "grpo" and self.data.eval is not None:
             raise ValueError(f"data.eval={self.data.eval!r}: the grpo recipe does not evaluate during training "
                              "(the sft recipe does); leave it empty")

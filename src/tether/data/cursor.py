@@ -1,7 +1,7 @@
 """A deterministic, resumable cursor over a dataset (prompts for RL, examples for SFT).
 
 All of its state (epoch, position, seed) is explicit, for the run's checkpoints to save (resume is
-ROADMAP item 3; no run saves it yet): the order of epoch ``e`` is a permutation drawn from
+planned; no run saves it yet): the order of epoch ``e`` is a permutation drawn from
 ``seed + e``, so restarting at (epoch, position) replays exactly.
 """
 

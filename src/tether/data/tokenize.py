@@ -105,8 +105,10 @@ def _where(record: SFTRecord) -> str:
     return record.where or f"example {record.index}"
 
 
-def tokenize_sft(record: SFTRecord, tokenizer: Tokenizer, max_len: int) -> SFTExample:
-    """Token ids and loss mask for one SFT record; see the module docstring for the conventions."""
+def tokenize_sft(record: SFTRecord, tokenizer: Tokenizer, max_len: int,
+                 limit: str = "data.max_seq_len") -> SFTExample:
+    """Token ids and loss mask for one SFT record; see the module docstring for the conventions.
+    ``limit`` names what sets ``max_len`` in the error for a prompt that leaves no room."""
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2, got {max_len}")
     eos = _eos_id(tokenizer)
@@ -123,7 +125,7 @@ def tokenize_sft(record: SFTRecord, tokenizer: Tokenizer, max_len: int) -> SFTEx
     if len(prompt_ids) >= max_len:
         raise DataError(
             f"{_where(record)}: prompt is {len(prompt_ids)} tokens, "
-            f"leaving no room for the completion within max_len={max_len} (data.max_seq_len)"
+            f"leaving no room for the completion within max_len={max_len} ({limit})"
         )
     completion_ids = completion_ids[: max_len - len(prompt_ids)]
     loss_mask = [False] * len(prompt_ids) + [True] * len(completion_ids)

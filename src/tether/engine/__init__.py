@@ -2,7 +2,7 @@
 
 from tether.engine.config import EngineConfig
 from tether.engine.engine import LLMEngine
-from tether.engine.types import Completion, EngineStats, FinishReason, Generator, SamplingParams
+from tether.engine.types import Completion, EngineStats, FinishReason, Generator, IncrementalGenerator, SamplingParams
 
 __all__ = [
     "Completion",
@@ -10,6 +10,7 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "Generator",
+    "IncrementalGenerator",
     "LLMEngine",
     "SamplingParams",
 ]

@@ -185,3 +185,25 @@ class Generator(Protocol):
     def abort(self, request_ids: Iterable[int] | None = None) -> None:
         """Stop the given in-flight requests (all when None)."""
         ...
+
+
+class IncrementalGenerator(Generator, Protocol):
+    """The incremental API the asynchronous loop drives (``GeneratorWorker``): requests in, one
+    engine step at a time, aborts and weight updates between steps while sequences are in flight."""
+
+    policy_version: int  # the version tokens sampled now carry
+    stats: EngineStats
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue ``params.n`` samples of a prompt; returns the request id its completions carry."""
+        ...
+
+    def step(self) -> list[Completion]:
+        """Run one scheduling step; the completions that finished in it."""
+        ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def oldest_token_version(self, request_id: int) -> int | None:
+        """The version of the oldest token any unfinished sample of the request has sampled."""
+        ...

@@ -28,10 +28,11 @@ class SFTResult:
     tokenizer: Any
 
 
-def _tokenize_all(records: list[Any], tokenizer: Any, max_len: int, source: str | None) -> list[SFTExample]:
+def _tokenize_all(records: list[Any], tokenizer: Any, max_len: int, source: str | None,
+                  limit: str = "data.max_seq_len") -> list[SFTExample]:
     """Tokenized examples; a record that cannot be is a one-line error naming its source."""
     try:
-        return [tokenize_sft(r, tokenizer, max_len) for r in records]
+        return [tokenize_sft(r, tokenizer, max_len, limit) for r in records]
     except DataError as exc:  # a row read from a file names it already ("file.jsonl:4: ...")
         message = str(exc)
         is_placed = not source or message.startswith((str(source), str(Path(source))))
@@ -49,7 +50,8 @@ def _fit_context(records: list[Any], tokenizer: Any, max_len: int, context: int,
     print(f"warning: {source}: {num_long} of {len(examples)} examples are longer than the model's context of "
           f"{context} tokens (max_position_embeddings; data.max_seq_len={max_len}): cut at {context}",
           file=sys.stderr, flush=True)
-    return _tokenize_all(records, tokenizer, min(max_len, context), source)
+    return _tokenize_all(records, tokenizer, min(max_len, context), source,
+                         "the model's context, max_position_embeddings" if context < max_len else "data.max_seq_len")
 
 
 def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenizer: Any = None) -> SFTResult:

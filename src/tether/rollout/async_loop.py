@@ -127,15 +127,17 @@ def async_rl_step(c: AsyncRLComponents, state: LoopState) -> tuple[dict[str, Any
 
     lengths = batch.mask.sum(dim=1).float()  # [B * G]
     step_s = time.perf_counter() - start
-    tokens_per_s = float(lengths.sum()) / max(step_s, 1e-9)
     counters = c.transport.counters
+    # Generation: inside the polls when the generator runs in this thread, else beside the whole step.
+    gen_s = wait_s if c.transport.is_in_process else step_s
+    num_generated = counters.num_generated_tokens - state.num_generated_tokens
+    state.num_generated_tokens = counters.num_generated_tokens
     metrics: dict[str, Any] = {
         **scores.metrics(), **train_metrics, **staleness_metrics(lags),
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-        "time/wait_s": wait_s, "time/step_s": step_s,
-        # Generation overlaps training in another process: its rate is the tokens this step consumed
-        # over the step's time, the same quantity as throughput/step_tokens_per_s.
-        "throughput/gen_tokens_per_s": tokens_per_s, "throughput/step_tokens_per_s": tokens_per_s,
+        "time/wait_s": wait_s, "time/gen_s": gen_s, "time/step_s": step_s,
+        "throughput/gen_tokens_per_s": num_generated / max(gen_s, 1e-9),  # every token the engine sampled
+        "throughput/step_tokens_per_s": float(lengths.sum()) / max(step_s, 1e-9),  # tokens trained on
         "rollout/num_stale_dropped": state.num_stale_dropped, "rollout/num_filtered": counters.num_filtered,
         "rollout/num_failed": counters.num_failed,
         "rollout/num_aborted": counters.num_aborted, "rollout/num_reissued": counters.num_reissued,

@@ -27,8 +27,7 @@ import torch
 
 from tether.data.cursor import DataCursor
 from tether.data.records import PromptRecord
-from tether.engine.engine import LLMEngine
-from tether.engine.types import Completion, SamplingParams
+from tether.engine.types import Completion, IncrementalGenerator, SamplingParams
 from tether.rewards import RewardComputer
 from tether.rollout.buffer import GroupRollout
 from tether.rollout.staleness import CapacityController
@@ -56,6 +55,7 @@ class GeneratorCounters:
     num_aborted: int = 0  # aborted in flight, too stale to ever be trained on; prompt re-issued
     num_reissued: int = 0  # prompts re-issued (aborted here or dropped stale by the trainer)
     num_weight_updates: int = 0
+    num_generated_tokens: int = 0  # tokens the engine sampled (those of aborted and dropped groups too)
 
 
 @dataclass(slots=True)
@@ -66,7 +66,7 @@ class InFlightGroup:
     start_version: int
     completions: list[Completion] = field(default_factory=list)
 
-    def oldest_version(self, engine: LLMEngine, request_id: int) -> int | None:
+    def oldest_version(self, engine: IncrementalGenerator, request_id: int) -> int | None:
         """The version of its oldest sampled token (finished samples and those in flight); None
         while it has sampled nothing (e.g. queued behind the engine's sequence limit)."""
         versions = [c.versions[0] for c in self.completions if c.versions]
@@ -77,7 +77,7 @@ class InFlightGroup:
 
 
 class GeneratorWorker:
-    def __init__(self, engine: LLMEngine, prompts: DataCursor[PromptRecord], rewards: RewardComputer,
+    def __init__(self, engine: IncrementalGenerator, prompts: DataCursor[PromptRecord], rewards: RewardComputer,
                  encode: Callable[[PromptRecord], list[int]], decode: Callable[[list[int]], str],
                  settings: GeneratorSettings) -> None:
         self.engine = engine
@@ -99,7 +99,9 @@ class GeneratorWorker:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """A new policy version. Applied now, or after the groups in flight drain (partial rollouts off)."""
+        """A new policy version. Applied now, or after the groups in flight drain (partial rollouts off):
+        either way the groups it leaves too stale to train are aborted now, not run to their end."""
+        self._abort_doomed(version)
         if self.settings.is_partial_rollouts or not self.in_flight:
             self._apply_weights(named_tensors, version)
             return
@@ -112,6 +114,11 @@ class GeneratorWorker:
         if version != self.version:  # a hand-over re-sends the version its state already counted
             self.counters.num_weight_updates += 1
         self.version = version
+        self._abort_doomed(version)
+
+    def _abort_doomed(self, version: int) -> None:
+        """Abort the groups in flight that ``version`` leaves too stale to train (their oldest token
+        older than ``version - S``) and re-issue their prompts."""
         oldest = {rid: g.oldest_version(self.engine, rid) for rid, g in self.in_flight.items()}
         doomed = [rid for rid, v in oldest.items() if v is not None and version - v > self.settings.max_staleness]
         if doomed:
@@ -167,7 +174,10 @@ class GeneratorWorker:
         if not self.engine.has_unfinished():
             return []
         finished: list[GroupRollout] = []
-        for completion in self.engine.step():
+        before = self.engine.stats.num_generated_tokens
+        completions = self.engine.step()
+        self.counters.num_generated_tokens += self.engine.stats.num_generated_tokens - before
+        for completion in completions:
             group = self.in_flight.get(completion.request_id)
             if group is None:
                 continue  # an aborted group's leftovers

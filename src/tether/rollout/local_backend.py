@@ -67,6 +67,12 @@ class GeneratorCrashedError(TetherError, RuntimeError):
 class GeneratorTransport(Protocol):
     counters: GeneratorCounters  # the generator's latest cumulative counters
 
+    @property
+    def is_in_process(self) -> bool:
+        """Whether the generator runs inside ``poll`` (in the trainer's thread) rather than beside
+        the trainer, overlapping its steps."""
+        ...
+
     def poll(self, timeout_s: float) -> list[GroupRollout]:
         """Groups finished since the last poll (waits up to ``timeout_s`` for at least one)."""
         ...
@@ -92,6 +98,10 @@ class InProcessTransport:
     @property
     def counters(self) -> GeneratorCounters:
         return self.worker.counters  # the worker's own: load_state_dict replaces it
+
+    @property
+    def is_in_process(self) -> bool:
+        return True
 
     def poll(self, timeout_s: float = 1.0) -> list[GroupRollout]:
         groups: list[GroupRollout] = []
@@ -146,6 +156,10 @@ class ProcessTransport:
             if interrupted:
                 self.close()
                 raise KeyboardInterrupt
+
+    @property
+    def is_in_process(self) -> bool:
+        return False
 
     def is_ready(self) -> bool:
         """Whether the process has built its worker (never blocks; raises if it failed or died).
@@ -248,6 +262,10 @@ class HandoverTransport:
     @property
     def is_handed_over(self) -> bool:
         return self._local is None
+
+    @property
+    def is_in_process(self) -> bool:
+        return self._local is not None
 
     def poll(self, timeout_s: float = 1.0) -> list[GroupRollout]:
         local = self._local

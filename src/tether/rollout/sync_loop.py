@@ -40,6 +40,7 @@ class LoopState:
     first_failure: str | None = None  # the first such failure, for the log
     first_reward_error: str | None = None  # the first reward function failure (scored 0), for the log
     num_empty_draws: int = 0  # batches in a row of which the engine failed every group (sync)
+    num_generated_tokens: int = 0  # the generator's count at the end of the last step (async driver)
 
 
 @dataclass(slots=True)
@@ -138,6 +139,7 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
         "throughput/gen_tokens_per_s": num_gen_tokens / max(gen_s, 1e-9),  # the generation phase's rate
         "throughput/step_tokens_per_s": num_gen_tokens / max(step_s, 1e-9),  # the run's: as the async loop's
         "policy_version": state.policy_version, "rollout/num_failed": state.num_failed_groups,
+        "num_samples": state.num_samples,
     }
     samples = [{"prompt": rows[i].prompt, "completion": texts[i], "reward": scored.totals[i]}
                for i in range(0, len(completions), max(group_size, 1))]
