@@ -22,7 +22,7 @@ from tether.data.records import PromptRecord, SFTRecord
 from tether.data.tasks import Task, get_task
 from tether.engine.config import EngineConfig
 from tether.engine.engine import LLMEngine
-from tether.errors import ConfigError, DataError
+from tether.errors import CheckpointError, ConfigError, DataError
 from tether.models.checkpoint import generation_eos_ids, load_model
 from tether.models.config import ModelConfig
 from tether.models.decoder import Decoder
@@ -92,6 +92,9 @@ def build_model_and_tokenizer(section: ModelSection, init_from: str | None, seed
             and (Path(init_from) / "final" / "config.json").is_file():  # a run directory, not its checkpoint
         raise ConfigError(f"init_from={init_from!r} is a run directory; its checkpoint is {Path(init_from) / 'final'}")
     if path is not None:
+        key = "init_from" if init_from is not None else "model.path"
+        if not Path(path).exists():  # the key's name tells which of the two to fix
+            raise CheckpointError(f"{key}: checkpoint directory {path} does not exist")
         model = load_model(path, dtype=dtype)
         tokenizer = load_tokenizer(path)
         check_tokenizer_fits(tokenizer, model.config.vocab_size, path)

@@ -487,3 +487,20 @@ def test_evaluating_sft_without_held_out_data_is_refused():
     overrides = ["recipe=sft", "data.task=null", "data.train=train.jsonl", "trainer.eval_every=5"]
     assert "no held-out data to evaluate on; set data.eval" in config_error(overrides=overrides)
     load_config(None, [*overrides, "data.eval=held_out.jsonl"])
+
+
+@pytest.mark.parametrize("key", ["init_from", "model.path"])
+def test_a_missing_checkpoint_names_the_key_that_points_at_it(tmp_path, key):
+    """examples/grpo_arith.yaml before the SFT example has run: the key to fix, not only the path."""
+    from tether.builders import build_model_and_tokenizer
+    from tether.errors import CheckpointError
+
+    config = load_config(None, [f"{key}={tmp_path / 'sft' / 'final'}"])
+    with pytest.raises(CheckpointError, match=rf"^{key}: checkpoint directory .*sft/final does not exist$"):
+        build_model_and_tokenizer(config.model, config.init_from, 0)
+
+
+def test_two_reward_files_of_one_stem_are_told_to_take_names():
+    message = config_error(overrides=["rewards=[{fn: a/r.py:f}, {fn: b/r.py:f}]"])
+    assert "two rewards (a/r.py:f, b/r.py:f) are both named 'r:f' in metrics; give each a `name`" in message
+    assert "auto, decoupled_ppo, ppo_clip" in config_error(overrides=["algorithm.policy_loss=ppo"])

@@ -68,6 +68,8 @@ def test_a_checkpoints_char_tokenizer_reloads_exactly_whatever_the_model_family(
     auto = AutoTokenizer.from_pretrained(tmp_path)
     assert auto.encode(TEXT, add_special_tokens=False) == tokenizer.encode(TEXT, add_special_tokens=False)
     assert auto.decode(auto.encode(TEXT, add_special_tokens=False)) == TEXT
+    # A prompt as transformers' generate and vLLM encode it is the prompt tether generates from (bos first).
+    assert auto(TEXT).input_ids == encode_prompt(loaded, TEXT)
 
 
 def test_encode_prompt_plain_text_gets_bos_only(tokenizer):

@@ -20,3 +20,8 @@ def constant(prompt: str, completion: str, **fields: object) -> float:
 def parity(prompt: str, completion: str, **fields: object) -> float:
     """0 or 1, about half each: most groups have reward variance, some do not."""
     return float(sum(map(ord, completion)) % 2)
+
+
+def broken(prompt: str, completion: str, **fields: object) -> float:
+    """Raises on every call."""
+    raise ValueError("broken reward")

@@ -138,3 +138,18 @@ def test_an_async_run_whose_groups_start_failing_mid_run_stops_with_one_line(tin
         for _ in range(10):
             async_rl_step(components, state)
     assert time.monotonic() - start < 120
+
+
+def test_each_failing_reward_function_is_reported_once(tmp_path, tiny_policy, capsys):
+    """Two reward functions that fail: both are named on stderr, once each (the first one's warning
+    used to stand for every reward function of the run)."""
+    from rollout_helpers import REWARDS
+
+    model, tokenizer = tiny_policy
+    config = tiny_config("trainer.max_steps=2", f"rewards=[{{fn: '{REWARDS}:flaky'}}, {{fn: '{REWARDS}:broken'}}]")
+    result = run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
+    assert all(m["reward/reward_fns:broken/errors"] == 12 for m in result.history)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2
+    assert "reward_fns:flaky: RuntimeError: flaky reward failed" in warnings[0]
+    assert "reward_fns:broken: ValueError: broken reward" in warnings[1]

@@ -146,7 +146,8 @@ class AlgorithmSection(Section):
         registry = {"advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES, "loss_agg": AGGREGATIONS,
                     "correction": CORRECTIONS}[info.field_name]
         if name not in registry:
-            raise ValueError(f"must be one of {', '.join(registry.names())}")
+            names = [*(["auto"] if info.field_name == "policy_loss" else []), *registry.names()]
+            raise ValueError(f"must be one of {', '.join(names)}")
         return name
 
 
@@ -321,6 +322,10 @@ class ExperimentConfig(Section):
         names = [spec.metric_name for spec in rewards]
         twice = next((name for name in names if names.count(name) > 1), None)
         if twice is not None:
+            fns = {spec.fn for spec in rewards if spec.metric_name == twice}
+            if len(fns) > 1:  # two files of one stem, or a name given twice
+                raise ValueError(f"two rewards ({', '.join(sorted(fns))}) are both named {twice!r} in metrics; "
+                                 "give each a `name`")
             raise ValueError(f"{twice!r} is listed twice; list it once, with the weights summed (or give "
                              "each a `name`)")
         return rewards

@@ -12,7 +12,7 @@ import string
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from tether.errors import CheckpointError
 
@@ -50,6 +50,10 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
                                                      byte_level])
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(SPECIAL_TOKENS))
+    # ``tokenizer(text)`` (transformers' generate, vLLM) gives ``<bos> + text``, the ids tether prompts
+    # with (``data.tokenize.encode_prompt``); tether itself encodes with add_special_tokens=False.
+    backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B:1",
+                                                           special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD,

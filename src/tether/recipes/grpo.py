@@ -183,15 +183,16 @@ def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> Ru
 
 
 def _report_first_failures(state: LoopState, components: Any, reported: set[str]) -> None:
-    """One warning line, the first time each kind of failure happens (the metrics count them all)."""
+    """One warning line, the first time each kind of failure happens, each reward function's apart
+    (the metrics count them all)."""
     engine_failure = state.first_failure
     if isinstance(components, AsyncRLComponents):
         engine_failure = components.transport.counters.first_failure
     messages = {
         "engine": engine_failure and f"a sample failed in the engine, its group is left out of training "
                                      f"(rollout/num_failed counts them): {engine_failure}",
-        "reward": state.first_reward_error and f"a reward function failed, that score is 0 (reward/errors "
-                                               f"counts them): {state.first_reward_error}",
+        **{f"reward {name}": f"a reward function failed, that score is 0 (reward/errors counts them): {message}"
+           for name, message in state.first_reward_errors.items()},
     }
     for kind, message in messages.items():
         if message and kind not in reported:

@@ -32,12 +32,17 @@ class RewardResult:
     totals: list[float]  # [N] weighted sum per sample
     components: dict[str, list[float]]  # name -> [N] unweighted scores (sub-scores as name/key)
     num_errors: dict[str, int] = field(default_factory=dict)
-    first_error: str | None = None
+    first_errors: dict[str, str] = field(default_factory=dict)  # reward name -> its first failure's message
+
+    @property
+    def first_error(self) -> str | None:
+        """The first failure of any reward function (``"name: message"``)."""
+        return next(iter(self.first_errors.values()), None)
 
     @classmethod
     def concatenate(cls, results: Sequence[RewardResult]) -> RewardResult:
         """One result over all samples of ``results``, in order (a component missing from a part
-        scores 0 there; error counts add up; the first error message wins)."""
+        scores 0 there; error counts add up; each reward's first error message wins)."""
         totals = [t for r in results for t in r.totals]
         names = list(dict.fromkeys(name for r in results for name in r.components))
         components = {name: [s for r in results for s in r.components.get(name, [0.0] * len(r.totals))]
@@ -46,8 +51,11 @@ class RewardResult:
         for r in results:
             for name, count in r.num_errors.items():
                 num_errors[name] = num_errors.get(name, 0) + count
-        first_error = next((r.first_error for r in results if r.first_error), None)
-        return cls(totals, components, num_errors, first_error)
+        first_errors: dict[str, str] = {}
+        for r in results:
+            for name, message in r.first_errors.items():
+                first_errors.setdefault(name, message)
+        return cls(totals, components, num_errors, first_errors)
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {
@@ -81,15 +89,15 @@ class RewardComputer:
                 score, parts, error = _call(reward.fn, prompts[i], completions[i], fields[i])
                 if error is not None:
                     result.num_errors[reward.name] += 1
-                    result.first_error = result.first_error or f"{reward.name}: {error}"
+                    result.first_errors.setdefault(reward.name, f"{reward.name}: {error}")
                 for key, value in parts.items():
                     self._keys[reward.name].setdefault(key)
                     result.components.setdefault(_component(reward.name, key), [0.0] * num)[i] = value
                 weighted = reward.weight * score
                 if not abs(weighted) <= MAX_ABS_REWARD:  # a large weight times a large score (a failed
                     result.num_errors[reward.name] += 1  # call scored 0, so it never gets here)
-                    result.first_error = result.first_error or (
-                        f"{reward.name}: weight {reward.weight} x score {score} is beyond +-{MAX_ABS_REWARD:g}")
+                    result.first_errors.setdefault(reward.name, f"{reward.name}: weight {reward.weight} x score "
+                                                                f"{score} is beyond +-{MAX_ABS_REWARD:g}")
                     weighted = 0.0
                 result.totals[i] += weighted
             for key in self._keys[reward.name] or {"": None}:  # failed samples: 0 in each

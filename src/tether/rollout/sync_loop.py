@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ class LoopState:
     num_stale_dropped: int = 0  # groups dropped as too stale (async); their prompts were re-issued
     num_failed_groups: int = 0  # groups left out because the engine failed one of their samples (sync)
     first_failure: str | None = None  # the first such failure, for the log
-    first_reward_error: str | None = None  # the first reward function failure (scored 0), for the log
+    first_reward_errors: dict[str, str] = field(default_factory=dict)  # each reward's first failure (scored 0)
     num_empty_draws: int = 0  # batches in a row of which the engine failed every group (sync)
     num_generated_tokens: int = 0  # the generator's count at the end of the last step (async driver)
 
@@ -113,7 +113,8 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
     rows = [records[comp.prompt_index] for comp in completions]
 
     scored = c.rewards.score([r.prompt for r in rows], texts, [r.fields for r in rows])  # score
-    state.first_reward_error = state.first_reward_error or scored.first_error
+    for name, message in scored.first_errors.items():
+        state.first_reward_errors.setdefault(name, message)
     rewards = torch.tensor(scored.totals, dtype=torch.float32)
     group_size = c.sampling.n
     lengths = torch.tensor([comp.num_tokens for comp in completions])  # [B] completion tokens
