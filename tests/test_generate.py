@@ -141,6 +141,12 @@ def test_an_empty_prompt_fails_alone_and_a_run_that_fails_every_request_exits_no
                    "--output", str(out)], tmp_path)
     assert result.returncode == 2 and "error: every request failed; the first: request 0: " in result.stderr
     assert [json.loads(line)["finish_reason"] for line in out.read_text().splitlines()] == ["error", "error"]
+    capped = [{"prompt": "ab"}, {"prompt": "abcdefgh"}]  # bos + 2 and bos + 8 tokens, within a cap of 6
+    result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / "r.jsonl", capped)),
+                   "--max-model-len", "6", "--max-new-tokens", "10", "--output", str(out)], tmp_path)
+    first, second = [json.loads(line) for line in out.read_text().splitlines()]
+    assert result.returncode == 0 and (len(first["token_ids"]), first["finish_reason"]) == (3, "length")
+    assert second["finish_reason"] == "error" and "max_model_len" in second["error"]
 
 
 def test_lines_without_a_seed_sample_with_their_own(model_dir, tmp_path):
@@ -248,6 +254,8 @@ def test_stop_token_ids_from_a_line_and_the_command_line(model_dir, tmp_path):
     (["--output", "{tmp}"], "is a directory"),  # checked before generating, not after
     (["--n", "0"], "command line: "),
     (["--seed", "-5"], "command line: seed must be in [0, 2**64), got -5"),
+    (["--max-model-len", "1"], "--max-model-len 1: must be in [2, "),
+    (["--max-model-len", "99999999"], "(the model's max_position_embeddings)"),
     (["--stop", ""], "--stop: a stop string must not be empty"),
     (["--device", "tpu"], "--device 'tpu': not a device (auto, cpu, cuda or cuda:N)"),
     (["--speculative", "ngram", "--draft-model", "{model}"], "--speculative ngram and --draft-model: give one"),

@@ -44,7 +44,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="Stop string (repeatable).")
     p.add_argument("--stop-token-id", action="append", type=int, default=[],
-                   help="Stop token id (repeatable), besides the tokenizer's EOS.")
+                   help="Stop token id (repeatable), besides the tokenizer's EOS and the eos ids of the model's "
+                   "generation_config.json.")
+    p.add_argument("--max-model-len", type=int, help="Cap on prompt + completion tokens (default: the model's "
+                   "context); a prompt that leaves no room fails alone.")
     p.add_argument("--speculative", choices=["ngram"], help="Speculative decoding with prompt lookup.")
     p.add_argument("--draft-model", help="Speculative decoding with this draft model directory.")
     p.add_argument("--num-speculative-tokens", type=int, default=4)

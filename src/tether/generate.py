@@ -135,14 +135,14 @@ def build_engine(args: argparse.Namespace, tokenizer: Any, device: torch.device)
     draft = load_model(args.draft_model, dtype=dtype, device=device) if args.draft_model else None
     speculative = "draft" if draft is not None else args.speculative
     config = EngineConfig(stop_token_ids=eos_token_ids(tokenizer, args.model), seed=args.seed, speculative=speculative,
-                          num_speculative_tokens=args.num_speculative_tokens)
+                          num_speculative_tokens=args.num_speculative_tokens, max_model_len=args.max_model_len)
     return LLMEngine(model, tokenizer=tokenizer, config=config, draft_model=draft)
 
 
 def run_generate(args: argparse.Namespace) -> Path:
     device = resolve_device(args.device, "--device")  # a bad device fails before anything is read or written
     model_config = read_model_config(args.model)  # a bad config.json is named as such, not as a tokenizer failure
-    _check_flags(args, model_config.vocab_size)
+    _check_flags(args, model_config.vocab_size, model_config.max_position_embeddings)
     tokenizer = load_tokenizer(args.model)
     check_tokenizer_fits(tokenizer, model_config.vocab_size, args.model)
     records = load_prompts(args.prompts, allow_empty=True)  # an empty prompt fails alone, in the engine
@@ -186,8 +186,11 @@ def run_generate(args: argparse.Namespace) -> Path:
     return out
 
 
-def _check_flags(args: argparse.Namespace, vocab_size: int) -> None:
+def _check_flags(args: argparse.Namespace, vocab_size: int, context: int) -> None:
     """Flags that cannot work together or with this model, before anything is read or written."""
+    if args.max_model_len is not None and not 2 <= args.max_model_len <= context:
+        raise TetherError(f"--max-model-len {args.max_model_len}: must be in [2, {context}] (the model's "
+                          "max_position_embeddings)")
     if args.speculative and args.draft_model:
         raise TetherError(f"--speculative {args.speculative} and --draft-model: give one (a draft model is its "
                           "own kind of speculative decoding)")
