@@ -25,7 +25,7 @@ from tether.data.tokenize import tokenize_prompt
 from tether.evaluation import AccuracyResult, evaluate_accuracy
 from tether.recipes.grpo import run_grpo, start_generator_process_server
 from tether.recipes.sft import run_sft
-from tether.runs import create_run_dir, new_run_path, release_run_dir
+from tether.runs import claim_new_run_dir, create_run_dir, release_run_dir
 
 NUM_HELD_OUT = 200
 
@@ -68,7 +68,7 @@ def run_demo(quick: bool = False, out: str | None = None, seed: int = 0, mode: s
     sft_config, grpo_config = demo_configs(quick, seed, mode)
     start_generator_process_server(grpo_config)  # imports while the SFT stage runs
     # The root holds one run directory per stage, each self-describing; no config of its own.
-    root = Path(out) if out else new_run_path(load_config(None, []).logging.run_root, "demo")
+    root = Path(out) if out else claim_new_run_dir(load_config(None, []).logging.run_root, "demo")
     model, tokenizer = build_model_and_tokenizer(sft_config.model, None, seed)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"demo: {num_params / 1e6:.2f}M-parameter model, character tokenizer, task arith", flush=True)

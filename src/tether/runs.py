@@ -16,7 +16,8 @@ from tether.config.loader import is_resolved_config
 from tether.errors import ConfigError
 
 # What a run that failed before its first step leaves: ``--out`` may be reused while that is all.
-_REUSABLE = ("config.yaml", "metrics.jsonl", "samples.jsonl", ".tether.lock")
+_REUSABLE = ("config.yaml", "metrics.jsonl", "samples.jsonl", ".tether.lock", "generator_error.log")
+_KEPT_WHOLE = ("config.yaml", ".tether.lock", "generator_error.log")  # rewritten by the next run
 
 
 def new_run_path(run_root: str | Path, name: str) -> Path:
@@ -32,11 +33,21 @@ def new_run_path(run_root: str | Path, name: str) -> Path:
     return run_dir
 
 
+def claim_new_run_dir(run_root: str | Path, name: str) -> Path:
+    """Creates ``new_run_path`` (exclusively: another run that created that name first makes this one
+    take the next suffix) and returns it."""
+    run_dir = new_run_path(run_root, name)
+    while not _mkdir(run_dir, exist_ok=False):
+        run_dir = new_run_path(run_root, name)
+    return run_dir
+
+
 def create_run_dir(config: ExperimentConfig, out: str | Path | None = None) -> Path:
     """``out`` if given, else ``new_run_path``; claims it for this process and saves config.yaml.
 
     An existing ``out`` must hold nothing but what a run of tether's that failed before its first
-    step leaves (its config.yaml, empty metrics and samples, its lock file), and no live run may hold
+    step leaves (its config.yaml, empty metrics and samples, its lock file, a generator's error log),
+    and no live run may hold
     it: a run holds an exclusive lock on ``<run_dir>/.tether.lock`` until its process ends
     (``release_run_dir`` lets go earlier), so a second run given the same ``--out`` while the first
     is still starting is refused. No one's files are written over."""
@@ -48,16 +59,15 @@ def create_run_dir(config: ExperimentConfig, out: str | Path | None = None) -> P
             _check_reusable(run_dir)  # before anything is written into it
         _mkdir(run_dir, exist_ok=True)
     else:
-        run_dir = new_run_path(config.logging.run_root, config.name)
-        while not _mkdir(run_dir, exist_ok=False):  # another run took this name first: the next one
-            run_dir = new_run_path(config.logging.run_root, config.name)
+        run_dir = claim_new_run_dir(config.logging.run_root, config.name)
     _lock(run_dir)
     try:
         _check_reusable(run_dir)  # again under the lock: a run that took it meanwhile has finished
-    except ConfigError:
+        (run_dir / "generator_error.log").unlink(missing_ok=True)  # the failed attempt's, not this run's
+        save_resolved(config, run_dir)
+    except BaseException:
         release_run_dir(run_dir)
         raise
-    save_resolved(config, run_dir)
     return run_dir
 
 
@@ -118,7 +128,7 @@ def _check_reusable(run_dir: Path) -> None:
                           "choose another --out")
     others = sorted(entry.name for entry in run_dir.iterdir()
                     if entry.name not in _REUSABLE or not entry.is_file()
-                    or (entry.name not in ("config.yaml", _LOCK_NAME) and entry.stat().st_size > 0))
+                    or (entry.name not in _KEPT_WHOLE and entry.stat().st_size > 0))
     if others:
         more = f" and {len(others) - 1} more" if len(others) > 1 else ""
         raise ConfigError(f"run directory {run_dir} is not empty (holds {others[0]!r}{more}); "

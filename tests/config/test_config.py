@@ -475,6 +475,8 @@ def test_an_override_value_with_a_hash_is_kept_as_written():
     """YAML would read `ablation #3` as `ablation` and a comment."""
     assert load_config(None, ["name=ablation #3"]).name == "ablation #3"
     assert load_config(None, ["trainer.lr=3e-4"]).trainer.lr == 3e-4
+    # reinforce_pp has no group baseline: greedy groups of one prompt still get advantages
+    assert load_config(None, ["algorithm.advantage=reinforce_pp", "rollout.temperature=0"]).rollout.temperature == 0
 
 
 def test_a_staleness_bound_in_sync_mode_is_refused():
@@ -504,3 +506,43 @@ def test_two_reward_files_of_one_stem_are_told_to_take_names():
     message = config_error(overrides=["rewards=[{fn: a/r.py:f}, {fn: b/r.py:f}]"])
     assert "two rewards (a/r.py:f, b/r.py:f) are both named 'r:f' in metrics; give each a `name`" in message
     assert "auto, decoupled_ppo, ppo_clip" in config_error(overrides=["algorithm.policy_loss=ppo"])
+
+
+def test_a_registered_estimator_without_lengths_is_refused_when_the_config_is_read():
+    """The loops pass lengths=[B]: an estimator written as fn(rewards, group_size) is found at start,
+    not with a TypeError at the first RL step."""
+    from tether.algorithms import ADVANTAGES
+
+    @ADVANTAGES.register("test_two_argument_estimator")
+    def two_arguments(rewards, group_size):
+        return rewards - rewards.mean()
+
+    try:
+        message = config_error(overrides=["algorithm.advantage=test_two_argument_estimator"])
+    finally:
+        ADVANTAGES._entries.pop("test_two_argument_estimator")
+    assert "algorithm.advantage='test_two_argument_estimator' must take (rewards, group_size, *, lengths)" in message
+
+
+def test_an_override_that_breaks_a_check_across_keys_is_named_as_the_command_line(tmp_path):
+    path = write(tmp_path, "rollout:\n  group_size: 4\n")
+    assert config_error(path, ["rollout.temperature=0"]).startswith("command line: rollout.temperature=0 ")
+    bad = write(tmp_path, "rollout:\n  temperature: 0\n", name="bad.yaml")
+    assert config_error(bad, ["trainer.lr=1e-3"]).startswith(f"{bad}: rollout.temperature=0 ")
+
+
+@pytest.mark.parametrize("item,value", [("name=ablation #3", "ablation #3"), ("name='run #2'", "run #2"),
+                                        ('name="run #2"', "run #2"), ("name=a#b", "a#b"), ("name=#3", "#3"),
+                                        ("trainer.lr=3e-4 # warm-up peak", 3e-4)])
+def test_override_values_with_a_hash(item, value):
+    assert parse_override(item)[1] == value
+
+
+def test_a_run_whose_generator_failed_before_its_first_step_may_be_rerun_in_its_directory(tmp_path):
+    config = load_config(None, ["name=exp"])
+    run_dir = create_run_dir(config, out=tmp_path / "run")
+    (run_dir / "metrics.jsonl").write_text("")
+    (run_dir / "generator_error.log").write_text("Traceback (most recent call last): ...\n")
+    release_run_dir(run_dir)  # the failed run's process ended
+    assert create_run_dir(config, out=run_dir) == run_dir
+    assert not (run_dir / "generator_error.log").exists()  # the failed attempt's, gone with its config.yaml

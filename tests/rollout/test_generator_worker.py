@@ -95,6 +95,19 @@ def test_a_group_is_aborted_by_its_oldest_token_not_by_when_it_was_admitted(tiny
     assert len(kept) == len(queued) and all(set(c.versions) == {1} for g in kept for c in g.completions)
 
 
+def test_without_partial_rollouts_queued_groups_an_update_would_leave_too_stale_are_aborted(tiny_policy):
+    """Deferred, the update leaves groups queued behind the sequence limit to sample under v0: with
+    S = 0 they could never be trained, so they go with the ones that sampled, and v1 lands at once."""
+    worker = make_worker(tiny_policy, "rollout.max_staleness=0", "rollout.partial_rollouts=false",
+                         "engine.max_num_seqs=4")
+    worker.step()  # 3 groups of 4 admitted under v0; only the first runs
+    assert any(worker.engine.oldest_token_version(rid) is None for rid in worker.in_flight)
+    worker.load_weights(perturbed(worker), version=1)
+    assert worker.counters.num_aborted == 3 and not worker.in_flight and worker.engine.policy_version == 1
+    groups = run_until_groups(worker)
+    assert groups and all(set(c.versions) == {1} for g in groups for c in g.completions)
+
+
 @pytest.mark.parametrize("partial", ["true", "false"])
 def test_groups_that_can_never_be_trained_on_are_aborted_and_reissued(tiny_policy, partial):
     """Partial rollouts off too: the update would wait for groups that can only finish too stale to

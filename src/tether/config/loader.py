@@ -96,17 +96,20 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_override(item: str) -> tuple[str, Any]:
-    """``trainer.lr=3e-4`` -> ("trainer.lr", 0.0003); the value is read as YAML, but a value with a
-    `` #`` is taken as written (YAML would drop the rest as a comment: ``name=ablation #3``)."""
+    """``trainer.lr=3e-4`` -> ("trainer.lr", 0.0003); the value is read as YAML, but a plain text that
+    YAML would cut at a `` #`` (a comment) is kept whole: ``name=ablation #3``."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.lr=3e-4")
-    if re.search(r"(^|\s)#", raw):
-        return key.strip(), raw.strip()
     try:
         value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str) and value != raw.strip() and re.search(r"(^|\s)#", raw) \
+            and not raw.strip().startswith(("'", '"')):
+        value = raw.strip()
+    if value is None and raw.strip().startswith("#"):
+        value = raw.strip()
     return key.strip(), value
 
 
@@ -146,9 +149,12 @@ def validate(values: dict[str, Any], source: str = "config",
         errors = exc.errors()  # an unknown key first: a misspelt one also leaves its real key missing
         error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         loc = ".".join(str(part) for part in error["loc"])
-        is_override = any(loc and (loc == key or loc.startswith(key + ".") or key.startswith(loc + "."))
+        message = describe_error(error)
+        # A check across keys has no location: its message names the keys, as key=value.
+        is_override = any((loc == key or loc.startswith(key + ".") or key.startswith(loc + ".")) if loc
+                          else re.search(rf"(^|[\s(]){re.escape(key)}=", message) is not None
                           for key in overrides or ())
-        raise ConfigError(f"{'command line' if is_override else source}: {describe_error(error)}") from None
+        raise ConfigError(f"{'command line' if is_override else source}: {message}") from None
 
 
 def describe_error(err: dict[str, Any]) -> str:

@@ -348,17 +348,27 @@ class ExperimentConfig(Section):
         if self.recipe != "grpo":
             return self
         size, name = self.rollout.group_size, self.algorithm.advantage
-        try:
-            advantages = ADVANTAGES.get(name)(torch.arange(2.0 * size), size)
-        except ConfigError as error:
-            raise ValueError(f"rollout.group_size={size} does not suit algorithm.advantage={name!r}: "
-                             f"{error}") from None
-        if not advantages.any():
+        estimator = ADVANTAGES.get(name)
+        lengths = torch.ones(2 * size, dtype=torch.long)
+
+        def advantages(rewards: torch.Tensor) -> torch.Tensor:
+            try:
+                return estimator(rewards, size, lengths=lengths)
+            except ConfigError as error:
+                raise ValueError(f"rollout.group_size={size} does not suit algorithm.advantage={name!r}: "
+                                 f"{error}") from None
+            except TypeError as error:  # a registered estimator of another signature: now, not at step 1
+                raise ValueError(f"algorithm.advantage={name!r} must take (rewards, group_size, *, lengths): "
+                                 f"{error}") from None
+
+        if not advantages(torch.arange(2.0 * size)).any():
             raise ValueError(f"rollout.group_size={size} does not suit algorithm.advantage={name!r}: every "
                              "advantage would be 0 (a group baseline needs G >= 2)")
-        if size > 1 and self.rollout.temperature == 0:
+        # Greedy samples of a group are alike: rewards equal within each group, different across.
+        alike = torch.arange(2.0).repeat_interleave(size)
+        if size > 1 and self.rollout.temperature == 0 and not advantages(alike).any():
             raise ValueError(f"rollout.temperature=0 samples the {size} completions of a group alike (greedy): "
-                             "their rewards are equal and their advantages 0; sample with a temperature > 0")
+                             f"their rewards are equal, and {name}'s advantages 0; sample with a temperature > 0")
         return self
 
     @model_validator(mode="after")

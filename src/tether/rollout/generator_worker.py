@@ -100,8 +100,9 @@ class GeneratorWorker:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """A new policy version. Applied now, or after the groups in flight drain (partial rollouts off):
-        either way the groups it leaves too stale to train are aborted now, not run to their end."""
-        self._abort_doomed(version)
+        either way the groups it leaves too stale to train are aborted now, not run to their end
+        (deferred, a group that has sampled nothing yet will sample under the current version)."""
+        self._abort_doomed(version, None if self.settings.is_partial_rollouts else self.version)
         if self.settings.is_partial_rollouts or not self.in_flight:
             self._apply_weights(named_tensors, version)
             return
@@ -116,10 +117,12 @@ class GeneratorWorker:
         self.version = version
         self._abort_doomed(version)
 
-    def _abort_doomed(self, version: int) -> None:
+    def _abort_doomed(self, version: int, unsampled: int | None = None) -> None:
         """Abort the groups in flight that ``version`` leaves too stale to train (their oldest token
-        older than ``version - S``) and re-issue their prompts."""
+        older than ``version - S``) and re-issue their prompts. A group that has sampled nothing yet
+        counts as of version ``unsampled`` (None: kept, its tokens will carry ``version``)."""
         oldest = {rid: g.oldest_version(self.engine, rid) for rid, g in self.in_flight.items()}
+        oldest = {rid: unsampled if v is None else v for rid, v in oldest.items()}
         doomed = [rid for rid, v in oldest.items() if v is not None and version - v > self.settings.max_staleness]
         if doomed:
             self.engine.abort(doomed)  # their "abort" completions are ignored: the ids are forgotten
