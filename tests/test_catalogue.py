@@ -55,7 +55,7 @@ BAD_CONFIGS = [
     pytest.param("", ["trainer.eval_every=5"], "trainer.eval_every=5: the grpo recipe does not evaluate",
                  id="grpo-eval-every"),
     pytest.param("", ["name=../../elsewhere"], "name: must be a plain name (no '/'", id="name-with-a-path"),
-    pytest.param("", ["rollout.group_size=1"], "config.yaml: rollout.group_size=1 does not suit "
+    pytest.param("", ["rollout.group_size=1"], "command line: rollout.group_size=1 does not suit "
                  "algorithm.advantage='grpo': group_size must be >= 2", id="grpo-group-of-one"),
 ]
 
