@@ -214,6 +214,9 @@ def main() -> None:
     parser.add_argument("--task", default="arith", choices=sorted(WORKLOADS),
                         help="arith: the demo task; copy: a generation-heavy workload (~20-token completions)")
     args = parser.parse_args()
+    if args.sft_steps < 1 or args.rl_steps < 2 or args.repeats < 1:
+        parser.error("--sft-steps must be >= 1, --rl-steps >= 2 (the first step is left out of the step time) "
+                     "and --repeats >= 1")
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

@@ -92,3 +92,12 @@ def set_threads(num_threads: int) -> None:
     """Fix torch's intra-op threads (0 keeps torch's default: one per physical core)."""
     if num_threads > 0:
         torch.set_num_threads(num_threads)
+
+
+def require_trl() -> None:
+    """Exit with one line when trl (the optional ``bench`` extra) is missing, before tether's side runs."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("trl") is None:
+        sys.exit("error: trl is not installed (the bench extra: pip install -e '.[bench]')")

@@ -14,7 +14,7 @@ AdamW step. Made equal on purpose (TRL's defaults differ):
 * no reference model (``beta=0`` / ``kl_coef=0``), one epoch per batch, no extra "old" log-prob
   forward on either side; TRL's ``loss_type="dapo"`` is tether's ``token_mean`` aggregation;
 * fp32 on CPU, no gradient checkpointing (TRL turns it on by default), no bf16 (ditto);
-* the optimizer: both get tether's ``build_optimizer`` (torch AdamW, foreach) with a constant LR;
+* the optimizer: both get tether's ``build_optimizer`` (torch AdamW, fused) with a constant LR;
 * the prompt ids: tether prefixes bos, so the TRL prompts carry the bos token too.
 
 What still differs, by design of each framework: tether samples with its own engine from a copy of
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from common import MachineInfo, StepStats, machine_info, set_threads  # noqa: E402
+from common import MachineInfo, StepStats, machine_info, require_trl, set_threads  # noqa: E402
 from helpers.hf_tiny import make_hf_checkpoint  # noqa: E402
 from tether.builders import build_model_and_tokenizer, seed_everything  # noqa: E402
 from tether.config import ExperimentConfig  # noqa: E402
@@ -270,6 +270,7 @@ def report(s: BenchSettings, machine: MachineInfo, tether: RunTimes, trl: RunTim
 
 def main(argv: Sequence[str] | None = None) -> None:
     s = parse_args(argv)
+    require_trl()
     set_threads(s.threads)
     machine = machine_info()
     tether_runs: list[RunTimes] = []

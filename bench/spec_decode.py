@@ -1,6 +1,6 @@
 """Speculative decoding in tether's engine: plain greedy decoding vs prompt lookup vs a draft model.
 
-    python bench/spec_decode.py [--steps 6000] [--draft-steps 2000] [--k 4] [--num-prompts 8] [--threads 1]
+    python bench/spec_decode.py [--steps 1500] [--draft-steps 1000] [--k 4] [--num-prompts 8] [--threads 1]
                                 [--cache-dir DIR]
 
 A small Qwen2-shaped model is SFT-trained from scratch (``SFTTrainer``, as ``tether sft`` does) on

@@ -61,7 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from async_rl import VARIANTS, start_generator_server, timed_grpo, warm_start  # noqa: E402
-from common import MachineInfo, machine_info, set_threads  # noqa: E402
+from common import MachineInfo, machine_info, require_trl, set_threads  # noqa: E402
 from grpo_step import TaskReward  # noqa: E402
 from tether.builders import build_model_and_tokenizer, build_prompt_data  # noqa: E402
 from tether.config import ExperimentConfig, load_config  # noqa: E402
@@ -331,6 +331,7 @@ def compare(s: Settings) -> tuple[MachineInfo, list[Curve], Curve]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     s = parse_args(argv)
+    require_trl()
     set_threads(s.threads)  # TRL and `sync`; `sync_1t` and the async variants set their own
     runs = []
     for seed in s.seeds or (s.seed,):

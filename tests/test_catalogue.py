@@ -75,7 +75,11 @@ BAD_JSONL = [
     pytest.param("prompts", '{"prompt": [{"role": "bot", "content": "hi"}]}\n',
                  "message 0 has role 'bot'; expected one of system, user, assistant, tool", id="bad-role"),
     pytest.param("prompts", '{"prompt": [{"role": "user"}]}\n',
-                 "message 0 content must be a string, got null", id="no-content"),
+                 "message 0 content must be a string, got missing", id="no-content"),
+    pytest.param("prompts", '{"prompt": [{"role": "user", "content": "2+2?"}, '
+                 '{"role": "assistant", "content": "<think>"}]}\n',
+                 "field 'prompt' ends with a 'assistant' message; a prompt to generate from ends with a 'user' or "
+                 "'tool' turn", id="prompt-ends-with-assistant"),
     pytest.param("prompts", '{"prompt": ["hi"]}\n', "message 0 must be an object, got str", id="message-str"),
     pytest.param("prompts", "\n\n", "bad.jsonl: dataset is empty", id="empty-file"),
     pytest.param("sft", '{"prompt": "2+2="}\n', "bad.jsonl:1: missing field 'completion' (SFT rows need",

@@ -118,7 +118,8 @@ def test_a_chat_prompt_its_template_refuses_names_its_line(model_dir, tmp_path):
         "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
         "{{ raise_exception('System message must be first') }}{% endif %}"
         "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
-    rows = [{"prompt": "ab"}, {"prompt": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}]}]
+    rows = [{"prompt": "ab"}, {"prompt": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"},
+                                          {"role": "user", "content": "and?"}]}]
     result = _run(["--model", str(strict), "--prompts", str(_prompts(tmp_path / "p.jsonl", rows)),
                    "--output", str(tmp_path / "o.jsonl")], tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -255,7 +256,7 @@ def test_stop_token_ids_from_a_line_and_the_command_line(model_dir, tmp_path):
     (["--n", "0"], "command line: "),
     (["--seed", "-5"], "command line: seed must be in [0, 2**64), got -5"),
     (["--max-model-len", "1"], "--max-model-len 1: must be in [2, "),
-    (["--max-model-len", "99999999"], "(the model's max_position_embeddings)"),
+    (["--max-model-len", "99999999"], "(the model's context: max_position_embeddings"),
     (["--stop", ""], "--stop: a stop string must not be empty"),
     (["--device", "tpu"], "--device 'tpu': not a device (auto, cpu, cuda or cuda:N)"),
     (["--speculative", "ngram", "--draft-model", "{model}"], "--speculative ngram and --draft-model: give one"),

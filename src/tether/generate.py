@@ -142,7 +142,7 @@ def build_engine(args: argparse.Namespace, tokenizer: Any, device: torch.device)
 def run_generate(args: argparse.Namespace) -> Path:
     device = resolve_device(args.device, "--device")  # a bad device fails before anything is read or written
     model_config = read_model_config(args.model)  # a bad config.json is named as such, not as a tokenizer failure
-    _check_flags(args, model_config.vocab_size, model_config.max_position_embeddings)
+    _check_flags(args, model_config.vocab_size, model_config.context_length)
     tokenizer = load_tokenizer(args.model)
     check_tokenizer_fits(tokenizer, model_config.vocab_size, args.model)
     records = load_prompts(args.prompts, allow_empty=True)  # an empty prompt fails alone, in the engine
@@ -190,7 +190,7 @@ def _check_flags(args: argparse.Namespace, vocab_size: int, context: int) -> Non
     """Flags that cannot work together or with this model, before anything is read or written."""
     if args.max_model_len is not None and not 2 <= args.max_model_len <= context:
         raise TetherError(f"--max-model-len {args.max_model_len}: must be in [2, {context}] (the model's "
-                          "max_position_embeddings)")
+                          "context: max_position_embeddings, or as its rope_scaling extends it)")
     if args.speculative and args.draft_model:
         raise TetherError(f"--speculative {args.speculative} and --draft-model: give one (a draft model is its "
                           "own kind of speculative decoding)")

@@ -159,7 +159,9 @@ BAD_PROMPT_ROWS = [
         {"prompt": [{"role": "bot", "content": "hi"}]},
         "field 'prompt' message 0 has role 'bot'; expected one of",
     ),
-    ({"prompt": [{"role": "user"}]}, "field 'prompt' message 0 content must be a string, got null"),
+    ({"prompt": [{"role": "user"}]}, "field 'prompt' message 0 content must be a string, got missing"),
+    ({"prompt": [{"role": "user", "content": None}]}, "field 'prompt' message 0 content must be a string, got null"),
+    ({"prompt": [{"role": "system", "content": "Be brief."}]}, "field 'prompt' ends with a 'system' message"),
     (
         {"prompt": [{"role": "user", "content": "a"}, "hi"]},
         "field 'prompt' message 1 must be an object, got str",
@@ -349,3 +351,13 @@ def test_a_missing_split_of_a_data_directory_names_the_setting(in_tmp):
     section = DataSection(train="folder", eval="folder")
     with pytest.raises(DataError, match=r"Unknown split \"test\".*\(data.eval_split\)$"):
         build_sft_data(section, seed=0)
+
+
+def test_an_assistant_turn_that_only_calls_tools_may_have_null_content(tmp_path):
+    """OpenAI's form: {"role": "assistant", "content": null, "tool_calls": [...]}; chat templates render it."""
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    rows = [{"prompt": [{"role": "user", "content": "1+2?"},
+                        {"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "content": "3"}]}]
+    [record] = load_prompts(rows)
+    assert record.prompt[1] == {"role": "assistant", "content": "", "tool_calls": [call]}

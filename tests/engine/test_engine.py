@@ -512,6 +512,22 @@ def test_bad_config_is_a_config_error(qwen2_path):
             EngineConfig(**{field: value})
 
 
+def test_a_yarn_scaled_model_serves_its_extended_context(tmp_path):
+    """Qwen2.5's long-context recipe: yarn factor 4 on a config of 64 positions serves 256, as vLLM
+    derives it; the log-probs past position 64 equal transformers'."""
+    path = make_hf_checkpoint(tmp_path / "yarn", "qwen2", seed=3, max_position_embeddings=64, with_tokenizer=False,
+                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    engine = make_engine(path)
+    assert engine.max_model_len == 256
+    prompt = [(7 * i) % 90 + 5 for i in range(80)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=20)
+    [completion] = engine.generate([prompt], params)
+    assert completion.num_tokens == 20
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
+    expected = full_forward_logprobs(hf, completion, params)
+    torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=0)
+
+
 def test_sliding_window_matches_transformers(tmp_path):
     path = make_hf_checkpoint(tmp_path / "mistral", "mistral", seed=5, sliding_window=4)
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()

@@ -96,6 +96,10 @@ def _require(row: dict[str, Any], name: str, where: str, hint: str = "") -> Any:
 
 def _prompt_from_row(row: dict[str, Any], where: str, index: int, *, allow_empty: bool = False) -> PromptRecord:
     prompt = check_text(_require(row, "prompt", where), where, "prompt", allow_empty=allow_empty)
+    if isinstance(prompt, list) and prompt[-1]["role"] in ("assistant", "system"):
+        # Rendered with the generation prompt, it would close that turn and open a new, empty one.
+        raise DataError(f"{where}: field 'prompt' ends with a {prompt[-1]['role']!r} message; a prompt to "
+                        "generate from ends with a 'user' or 'tool' turn")
     fields = {k: v for k, v in row.items() if k != "prompt"}
     return PromptRecord(prompt=prompt, fields=fields, index=index, where=where)
 

@@ -88,12 +88,13 @@ def check_messages(value: list[Any], where: str, name: str) -> list[Message]:
                 f"expected one of {', '.join(CHAT_ROLES)}"
             )
         content = message.get("content")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            content = ""  # OpenAI's form of a turn that only calls tools; the templates render it so
         if not isinstance(content, str):
-            raise DataError(
-                f"{where}: field '{name}' message {i} content must be a string, got {type_name(content)}"
-            )
+            got = "missing" if "content" not in message else type_name(content)
+            raise DataError(f"{where}: field '{name}' message {i} content must be a string, got {got}")
         _check_encodable(content, where, f"field '{name}' message {i} content")
-        messages.append({k: v for k, v in message.items() if v is not None})
+        messages.append({**{k: v for k, v in message.items() if v is not None}, "content": content})
     return messages
 
 

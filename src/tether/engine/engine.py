@@ -69,7 +69,7 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
-        self.max_model_len = resolve_max_model_len(config, model.config.max_position_embeddings)
+        self.max_model_len = resolve_max_model_len(config, model.config.context_length)
         blocks_per_seq = -(-self.max_model_len // config.block_size)
         num_blocks = num_kv_blocks_for(
             model, config.block_size, config.num_kv_blocks, config.kv_cache_bytes,

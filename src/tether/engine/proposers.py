@@ -130,7 +130,7 @@ class DraftModelProposer:
         batch_invariant: bool | str = False,
     ) -> None:
         self.num_tokens = num_tokens
-        self.max_context = draft_model.config.max_position_embeddings  # positions the draft was trained on
+        self.max_context = draft_model.config.context_length  # positions the draft serves
         self.runner = ModelRunner(draft_model, num_blocks, block_size, is_lm_head_packed, pack_layer_linears,
                                   native_attention, batch_invariant)
 

@@ -100,8 +100,8 @@ def resolve_max_model_len(config: EngineConfig, max_positions: int) -> int:
     max_model_len = config.max_model_len if config.max_model_len is not None else max_positions
     if max_model_len > max_positions:
         raise ConfigError(
-            f"engine.max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-            f"{max_positions}"
+            f"engine.max_model_len={max_model_len} exceeds the model's context of {max_positions} positions "
+            "(max_position_embeddings, or as its rope_scaling extends it)"
         )
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
         raise ConfigError(

@@ -54,6 +54,7 @@ class ModelShape(Protocol):
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
+    context_length: int  # max_position_embeddings, or what the model's RoPE scaling extends it to
     sliding_window: int | None
     sliding_window_layers: tuple[int, ...]
 

@@ -122,6 +122,17 @@ class ModelConfig:
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def context_length(self) -> int:
+        """Positions the model serves: ``max_position_embeddings``, or the context a yarn or linear
+        RoPE scaling extends the original one to, as vLLM derives it (Qwen2.5's long-context recipe adds
+        yarn factor 4 to a config of 32768 positions for 131072)."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.rope_type not in ("yarn", "linear"):
+            return self.max_position_embeddings
+        original = scaling.original_max_position_embeddings or self.max_position_embeddings
+        return max(self.max_position_embeddings, int(original * scaling.factor))
+
     def window_for_layer(self, layer_idx: int) -> int | None:
         return self.sliding_window if layer_idx in self.sliding_window_layers else None
 

@@ -126,7 +126,7 @@ def build_trainer(config: ExperimentConfig, model: Any) -> PolicyTrainer:
 
 def engine_context_len(config: ExperimentConfig, model: Any) -> int:
     """Prompt + completion tokens the rollout engine will hold per sequence, as the engine resolves it."""
-    return resolve_max_model_len(EngineConfig(**config.engine.model_dump()), model.config.max_position_embeddings)
+    return resolve_max_model_len(EngineConfig(**config.engine.model_dump()), model.config.context_length)
 
 
 def rl_prompt_data(config: ExperimentConfig, model: Any, tokenizer: Any) -> tuple[PromptData, list[PromptRecord]]:

@@ -59,7 +59,7 @@ def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenize
     if model is None:
         model, tokenizer = build_model_and_tokenizer(config.model, config.init_from, config.seed)
     train_records, eval_records, _ = build_sft_data(config.data, config.seed)
-    context = model.config.max_position_embeddings
+    context = model.config.context_length
     train = _fit_context(train_records, tokenizer, config.data.max_seq_len, context,
                          config.data.task or config.data.train)
     held_out = _fit_context(eval_records, tokenizer, config.data.max_seq_len, context,
