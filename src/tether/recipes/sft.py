@@ -48,7 +48,8 @@ def _fit_context(records: list[Any], tokenizer: Any, max_len: int, context: int,
     if not num_long:
         return examples
     print(f"warning: {source}: {num_long} of {len(examples)} examples are longer than the model's context of "
-          f"{context} tokens (max_position_embeddings; data.max_seq_len={max_len}): cut at {context}",
+          f"{context} tokens (max_position_embeddings, or as its rope_scaling extends it; data.max_seq_len="
+          f"{max_len}): cut at {context}",
           file=sys.stderr, flush=True)
     return _tokenize_all(records, tokenizer, min(max_len, context), source,
                          "the model's context, max_position_embeddings" if context < max_len else "data.max_seq_len")
