@@ -6,7 +6,7 @@ Two backends with one interface (``GeneratorTransport``), both thin: every decis
 * ``InProcessTransport`` steps the worker in the caller's thread (tests, sync mode, debugging);
 * ``ProcessTransport`` runs the worker in its own process (``torch.multiprocessing``) with its own
   CPU threads: finished groups and control messages travel through queues, weights through
-  ``SharedWeights`` buckets. A Ray backend will implement the same four calls.
+  ``SharedWeights`` buckets. A Ray backend will implement the same calls.
 * ``HandoverTransport`` bridges the generator process's start-up: until the process reports ready, a
   worker in the trainer's process generates, stepped between training steps like
   ``InProcessTransport``; then that worker drains (finishes its groups in flight, starts none) and
