@@ -218,3 +218,31 @@ def test_norm_and_rope_constants_that_would_poison_every_logit(checkpoint, key, 
         config["rope_parameters"] = {**config["rope_parameters"], key: value}
     (checkpoint / "config.json").write_text(json.dumps(config))
     assert_one_line_error(checkpoint, "config.json", key, "finite number > 0")
+
+
+def test_a_checkpoint_save_that_fails_leaves_no_half_written_directory(tmp_path):
+    """final/ appears whole or not at all: a run killed while saving leaves no directory that looks
+    complete but lacks its tokenizer or weights; a later save replaces an earlier one."""
+    from tether.models import build_char_tokenizer
+    from tether.models.checkpoint import save_checkpoint
+
+    model = load_model(make_hf_checkpoint(tmp_path / "src", "qwen2", hidden_size=32, num_layers=1))
+    tokenizer = build_char_tokenizer()
+
+    class Interrupted(Exception):
+        pass
+
+    class FailingTokenizer:
+        def save_pretrained(self, path):
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        save_checkpoint(model, FailingTokenizer(), tmp_path / "final")
+    assert not (tmp_path / "final").exists()
+    save_checkpoint(model, tokenizer, tmp_path / "final")
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    save_checkpoint(model, tokenizer, tmp_path / "final")  # over the first
+    reloaded = load_model(tmp_path / "final")
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind

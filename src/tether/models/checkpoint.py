@@ -199,12 +199,26 @@ def save_checkpoint(model: Decoder, tokenizer: Any, path: str | Path, source: st
     """A run's checkpoint (``final/``): ``save_model``, the tokenizer, and the files of the ``source``
     checkpoint it was trained from that say how to generate with it (``CARRIED_FILES``:
     generation_config.json holds the end-of-turn ids and sampling defaults that transformers'
-    ``generate`` and vLLM read, which config.json's ``eos_token_id`` may lack)."""
-    directory = save_model(model, path)
-    tokenizer.save_pretrained(directory)
+    ``generate`` and vLLM read, which config.json's ``eos_token_id`` may lack).
+
+    Written whole into a sibling directory, then renamed into place: a run killed while saving
+    leaves no ``path`` that looks complete but holds half its weights."""
+    directory = Path(path)
+    staging = directory.with_name(f".{directory.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)  # a save killed before this one
+    save_model(model, staging)
+    tokenizer.save_pretrained(staging)
     for name in CARRIED_FILES if source is not None else ():
         if (Path(source) / name).is_file():
-            shutil.copyfile(Path(source) / name, directory / name)
+            shutil.copyfile(Path(source) / name, staging / name)
+    if directory.exists():  # rename() replaces only an empty directory: set the old one aside first
+        previous = directory.with_name(f".{directory.name}.previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        directory.rename(previous)
+        staging.rename(directory)
+        shutil.rmtree(previous)
+    else:
+        staging.rename(directory)
     return directory
 
 
