@@ -166,3 +166,20 @@ def test_overrides_after_out_are_overrides(tmp_path):
     assert_one_line_error(result, "trainer.max_step")  # read as an override: the config names the bad key
     result = tether("train", "c.yaml", "--out", str(tmp_path / "run"), "--bogus", cwd=tmp_path)
     assert result.returncode == 2 and "unrecognized arguments: --bogus" in result.stderr
+
+
+def test_sigterm_stops_a_run_in_one_line(tmp_path):
+    """scancel, docker stop and timeout send SIGTERM: the run stops as on Ctrl-C, one line, 143."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    proc = subprocess.Popen([sys.executable, "-m", "tether.cli", "train", str(examples / "sft_arith.yaml"),
+                             "--out", str(tmp_path / "run"), "trainer.max_steps=100000", "logging.progress=plain"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    while not metrics.exists() or not metrics.stat().st_size:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "terminated", err
+    assert "Traceback" not in err

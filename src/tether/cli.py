@@ -1,13 +1,16 @@
 """The ``tether`` command: ``train``, ``generate``, ``demo``.
 
-User errors (``TetherError``) print one line on stderr and exit 2; nothing else is caught, so a
-bug in tether still shows its traceback.
+User errors (``TetherError``) print one line on stderr and exit 2; Ctrl-C prints "interrupted"
+(130) and SIGTERM "terminated" (143); nothing else is caught, so a bug in tether still shows its
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from tether.errors import TetherError
@@ -78,7 +81,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``scancel``, ``docker stop``, ``timeout``) as an exception on the main thread, so a
+    run stops through the same ``finally`` blocks as on Ctrl-C: its generator process closed, its
+    run directory released, what it wrote kept."""
+
+
+def _raise_terminated(*_: object) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _run(argv)
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:  # also while the parser imports torch, in the first seconds
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides after --out (`tether train c.yaml --out run lr=1`): argparse ends the positionals at
@@ -103,9 +129,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TetherError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     return 0
 
 

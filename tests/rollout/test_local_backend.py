@@ -325,6 +325,17 @@ def test_a_generator_sees_its_trainer_gone():
     assert gone.is_gone()
     alive = TrainerWatch(os.getpid())
     assert not alive.is_gone() and not TrainerWatch(0).is_gone()
+    # Killed but not yet collected by its launcher (which may be reading the output the generator
+    # holds open until it exits): a zombie is gone too.
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        zombie.kill()
+        stat, deadline = Path(f"/proc/{zombie.pid}/stat"), time.monotonic() + 10
+        while "Z" not in stat.read_text().split(")")[-1][:3] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert TrainerWatch(zombie.pid).is_gone()
+    finally:
+        zombie.wait()
 
 
 _CTRL_C_AT_START = """

@@ -14,6 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,9 @@ def _handle(worker: GeneratorWorker, kind: str, payload: Any) -> None:
         worker.load_state_dict(payload)
 
 
+_HAS_PROC = Path("/proc/self/stat").is_file()
+
+
 class TrainerWatch:
     """Whether the trainer process that started a generator is gone (killed by SIGKILL, the OOM
     killer, a job's time limit: nothing set ``stop``). A generator checks at most every
@@ -52,6 +56,14 @@ class TrainerWatch:
         if self.pid <= 0 or now < self._next_check:
             return False
         self._next_check = now + self.CHECK_S
+        if _HAS_PROC:  # Linux: a killed trainer its launcher has not collected yet is a zombie, gone all the same
+            try:
+                stat = Path(f"/proc/{self.pid}/stat").read_text()
+                return stat[stat.rindex(")") + 2] in "ZX"  # the state field follows the command's ")"
+            except FileNotFoundError:
+                return True
+            except (OSError, ValueError, IndexError):
+                pass  # unreadable: ask the kernel whether the pid exists
         try:
             os.kill(self.pid, 0)  # signal 0: only asks whether the process exists
         except ProcessLookupError:
