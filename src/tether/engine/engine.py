@@ -38,7 +38,7 @@ from tether.engine.rng import SampleRNG
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput, num_kv_blocks_for
 from tether.engine.sampler import Detokenizer, Sampler, finish_reason
 from tether.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from tether.engine.sequence import Sequence, draw_counts, rewind_draws, sample_seed
+from tether.engine.sequence import Sequence, draws_rewound_on_error, sample_seed
 from tether.engine.speculative import verify
 from tether.engine.types import Completion, EngineStats, SamplingParams
 from tether.errors import CheckpointError, RequestError, one_line
@@ -195,7 +195,7 @@ class LLMEngine:
         stopped; the caller may step on. Blocks this step wrote were never offered to the prefix
         cache (that happens after the forward), so none of it serves a later prompt. (What the step
         finished comes out of the next one; a token whose stop check it cut short was taken back,
-        and the draws of tokens it did not emit given back: ``_emit``, ``rewind_draws``.)"""
+        and the draws of tokens it did not emit given back: ``_emit``, ``draws_rewound_on_error``.)"""
         for runner in (self.runner, self._draft_runner):
             if runner is not None:
                 runner.decode_kv.clear()  # copies of KV that the recompute writes again
@@ -256,8 +256,7 @@ class LLMEngine:
         if not samplers:
             return  # a step of prefill chunks only
         seqs, _, logits = self._with_groups(samplers, [1] * len(samplers), logits)
-        counts = draw_counts(seqs)
-        try:
+        with draws_rewound_on_error(seqs):
             # These rows of the step's logits are read by nothing else: sampled in place.
             # A draft-model engine's rows draw by output position, in plain steps too (Sampler.sample).
             positions = ([s.num_output_tokens for s in seqs]
@@ -267,9 +266,6 @@ class LLMEngine:
             for seq, token_id, logprob in zip(seqs, result.token_ids, result.logprobs):
                 self._emit(seq, [token_id], [logprob])
                 self._collect_if_finished(seq, done)
-        except BaseException:
-            rewind_draws(seqs, counts)
-            raise
         self.scheduler.remove_finished()
 
     def _verify_and_finish(
@@ -282,12 +278,8 @@ class LLMEngine:
         num_rows = [proposals[seq.seq_id].num_tokens + 1 for seq in verifiers]
         seqs, origins, logits = self._with_groups(verifiers, num_rows, logits)
         drafts = [proposals[verifiers[i].seq_id] for i in origins]
-        counts = draw_counts(seqs)
-        try:
+        with draws_rewound_on_error(seqs):
             self._accept(logits, seqs, drafts, done)
-        except BaseException:
-            rewind_draws(seqs, counts)
-            raise
         self.scheduler.remove_finished()
 
     def _accept(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal],
@@ -339,20 +331,18 @@ class LLMEngine:
                            f"inf) at generated token {seq.num_output_tokens}")
                 return num_emitted - 1
             seq.append_token(token_id, logprob, self.policy_version)
+            error = None
             try:
                 reason = finish_reason(seq, self.max_model_len, self.tokenizer)
-            except Exception as error:  # a detokenizer that fails on this text: this sequence only
-                reason = "error"
-                seq.finish(reason, f"request {seq.request_id}: checking its stop strings failed: "
-                                    f"{type(error).__name__}: {one_line(error)}")
+            except Exception as exc:  # a detokenizer that fails on this text: this sequence only
+                reason, error = "error", (f"request {seq.request_id}: checking its stop strings failed: "
+                                          f"{type(exc).__name__}: {one_line(exc)}")
             except BaseException:  # an interrupt: the token goes unchecked, so it is not kept
                 seq.pop_token()
                 raise
             self.stats.num_generated_tokens += 1
-            if reason == "error":
-                return num_emitted
             if reason is not None:
-                seq.finish(reason)
+                seq.finish(reason, error)
                 return num_emitted
         return len(token_ids)
 
@@ -479,4 +469,3 @@ class LLMEngine:
         seqs = self._requests.get(request_id)
         if seqs is not None and all(seq.is_finished for seq in seqs):
             del self._requests[request_id]
-

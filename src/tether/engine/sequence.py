@@ -8,7 +8,9 @@ exactly once, with or without prefix caching.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tether.engine.rng import SampleRNG
@@ -117,17 +119,17 @@ class Sequence:
         )
 
 
-def draw_counts(seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """Each sequence's (random draws, output tokens) before a step samples: what ``rewind_draws``
-    restores if the step raises."""
-    return [(seq.rng.num_draws, seq.num_output_tokens) for seq in seqs]
-
-
-def rewind_draws(seqs: list[Sequence], counts: list[tuple[int, int]]) -> None:
-    """After a step raised while sampling: a sequence's stream keeps the draws of the tokens it
-    emitted (one each, as plain steps count them) and gives back the rest, so it samples the same
-    tokens when it steps again as it would have uninterrupted. A stream the step did not advance
-    (greedy, or drawn by output position) is left as it is."""
-    for seq, (num_draws, num_outputs) in zip(seqs, counts):
-        if seq.rng.num_draws != num_draws:
-            seq.rng.num_draws = num_draws + seq.num_output_tokens - num_outputs
+@contextlib.contextmanager
+def draws_rewound_on_error(seqs: list[Sequence]) -> Iterator[None]:
+    """Sampling ``seqs`` in the block: if it raises, a sequence's stream keeps the draws of the
+    tokens it emitted (one each, as plain steps count them) and gives back the rest, so it samples
+    the same tokens when it steps again as it would have uninterrupted. A stream the block did not
+    advance (greedy, or drawn by output position) is left as it is."""
+    counts = [(seq.rng.num_draws, seq.num_output_tokens) for seq in seqs]
+    try:
+        yield
+    except BaseException:
+        for seq, (num_draws, num_outputs) in zip(seqs, counts):
+            if seq.rng.num_draws != num_draws:
+                seq.rng.num_draws = num_draws + seq.num_output_tokens - num_outputs
+        raise
