@@ -15,14 +15,17 @@ from tether.config import ExperimentConfig, save_resolved
 from tether.config.loader import is_resolved_config
 from tether.errors import ConfigError
 
+GENERATOR_ERROR_LOG = "generator_error.log"  # a crashed generator process's traceback (recipes.grpo)
+_LOCK_NAME = ".tether.lock"
 # What a run that failed before its first step leaves: ``--out`` may be reused while that is all.
-_REUSABLE = ("config.yaml", "metrics.jsonl", "samples.jsonl", ".tether.lock", "generator_error.log")
-_KEPT_WHOLE = ("config.yaml", ".tether.lock", "generator_error.log")  # rewritten by the next run
+# These files may hold something (the next run rewrites them); metrics and samples must be empty.
+_KEPT_WHOLE = ("config.yaml", _LOCK_NAME, GENERATOR_ERROR_LOG)
+_REUSABLE = (*_KEPT_WHOLE, "metrics.jsonl", "samples.jsonl")
 
 
 def new_run_path(run_root: str | Path, name: str) -> Path:
     """``<run_root>/<name>-<YYYYmmdd-HHMMSS>/``, suffixed ``-1``, ``-2``, ... when that exists. Not
-    created: ``create_run_dir`` claims the name by creating it, and takes the next suffix when
+    created: ``claim_new_run_dir`` claims the name by creating it, and takes the next suffix when
     another run created it first (two runs started in the same second keep separate directories)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(run_root) / f"{name}-{stamp}"
@@ -47,8 +50,7 @@ def create_run_dir(config: ExperimentConfig, out: str | Path | None = None) -> P
 
     An existing ``out`` must hold nothing but what a run of tether's that failed before its first
     step leaves (its config.yaml, empty metrics and samples, its lock file, a generator's error log),
-    and no live run may hold
-    it: a run holds an exclusive lock on ``<run_dir>/.tether.lock`` until its process ends
+    and no live run may hold it: a run holds an exclusive lock on ``<run_dir>/.tether.lock`` until its process ends
     (``release_run_dir`` lets go earlier), so a second run given the same ``--out`` while the first
     is still starting is refused. No one's files are written over."""
     if out is not None:
@@ -63,7 +65,7 @@ def create_run_dir(config: ExperimentConfig, out: str | Path | None = None) -> P
     _lock(run_dir)
     try:
         _check_reusable(run_dir)  # again under the lock: a run that took it meanwhile has finished
-        (run_dir / "generator_error.log").unlink(missing_ok=True)  # the failed attempt's, not this run's
+        (run_dir / GENERATOR_ERROR_LOG).unlink(missing_ok=True)  # the failed attempt's, not this run's
         save_resolved(config, run_dir)
     except BaseException:
         release_run_dir(run_dir)
@@ -78,7 +80,6 @@ def release_run_dir(run_dir: str | Path) -> None:
         os.close(fd)
 
 
-_LOCK_NAME = ".tether.lock"
 _LOCKS: dict[Path, int] = {}  # run directory -> the open lock file's descriptor, for this process's life
 
 

@@ -105,11 +105,10 @@ def parse_override(item: str) -> tuple[str, Any]:
         value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
-    if isinstance(value, str) and value != raw.strip() and re.search(r"(^|\s)#", raw) \
-            and not raw.strip().startswith(("'", '"')):
-        value = raw.strip()
-    if value is None and raw.strip().startswith("#"):
-        value = raw.strip()
+    text = raw.strip()
+    is_cut = (value is None or isinstance(value, str)) and value != text  # YAML read less than was written
+    if is_cut and re.search(r"(^|\s)#", raw) and not text.startswith(("'", '"')):
+        value = text
     return key.strip(), value
 
 

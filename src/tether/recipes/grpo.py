@@ -54,6 +54,7 @@ from tether.rollout.local_backend import (
 from tether.rollout.process_server import start_process_server
 from tether.rollout.sync_loop import LoopState, RLComponents, rl_step
 from tether.rollout.weights import SharedWeights
+from tether.runs import GENERATOR_ERROR_LOG
 from tether.training.optim import build_optimizer, build_scheduler
 from tether.training.policy import PolicyLossSettings, PolicyTrainer
 from tether.training.scoring import SamplingView
@@ -309,7 +310,7 @@ def run_grpo(config: ExperimentConfig, run_dir: Path, model: Any = None, tokeniz
     except GeneratorCrashedError as error:
         if not error.traceback:
             raise
-        log = run_dir / "generator_error.log"  # the whole traceback; the error stays one line
+        log = run_dir / GENERATOR_ERROR_LOG  # the whole traceback; the error stays one line
         log.write_text(error.traceback)
         raise GeneratorCrashedError(f"{error} (its traceback: {log})", error.traceback) from None
     finally:
