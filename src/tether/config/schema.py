@@ -2,9 +2,8 @@
 
 YAML files only supply values; the schema here is the single source of truth for defaults and help
 (`tether train --help` lists every key with its default and help, generated from here; a config
-reference in the docs is planned). Library
-components never receive this object whole: builders and recipes translate the relevant section into
-plain arguments.
+reference in the docs is planned). Library components never receive this object whole: builders
+and recipes translate the relevant section into plain arguments.
 """
 
 from __future__ import annotations

@@ -115,8 +115,7 @@ def async_rl_step(c: AsyncRLComponents, state: LoopState) -> tuple[dict[str, Any
     groups = collect_batch(c, state)  # the only wait: for data
     wait_s = time.perf_counter() - start
     scores = merge_scores(groups)
-    for name, message in scores.first_errors.items():
-        state.first_reward_errors.setdefault(name, message)
+    state.note_reward_errors(scores.first_errors)
     batch = groups_to_batch(groups, c.advantage_fn, c.group_size, scores)  # advantages
     lags = torch.tensor([lag for g in groups for lag in g.lags(state.policy_version)])  # [B * G]
     train_metrics = c.trainer.train_on(batch, policy_version=state.policy_version)  # loss -> optimizer step

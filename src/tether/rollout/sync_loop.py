@@ -42,6 +42,11 @@ class LoopState:
     num_empty_draws: int = 0  # batches in a row of which the engine failed every group (sync)
     num_generated_tokens: int = 0  # the generator's count at the end of the last step (async driver)
 
+    def note_reward_errors(self, first_errors: dict[str, str]) -> None:
+        """Keep each reward function's first failure of the run (``RewardResult.first_errors``)."""
+        for name, message in first_errors.items():
+            self.first_reward_errors.setdefault(name, message)
+
 
 @dataclass(slots=True)
 class RLComponents:
@@ -113,8 +118,7 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
     rows = [records[comp.prompt_index] for comp in completions]
 
     scored = c.rewards.score([r.prompt for r in rows], texts, [r.fields for r in rows])  # score
-    for name, message in scored.first_errors.items():
-        state.first_reward_errors.setdefault(name, message)
+    state.note_reward_errors(scored.first_errors)
     rewards = torch.tensor(scored.totals, dtype=torch.float32)
     group_size = c.sampling.n
     lengths = torch.tensor([comp.num_tokens for comp in completions])  # [B] completion tokens
@@ -130,9 +134,9 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
     state.num_samples += len(completions)
     c.generator.update_weights(c.trainer.model.named_parameters(), state.policy_version)  # weight sync
 
-    num_gen_tokens = sum(comp.num_tokens for comp in completions)
+    num_gen_tokens = int(lengths.sum())
     step_s = time.perf_counter() - start
-    lengths = torch.tensor([float(comp.num_tokens) for comp in completions])
+    lengths = lengths.float()
     metrics: dict[str, Any] = {
         **scored.metrics(), **train_metrics, **staleness_metrics(lags),
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
