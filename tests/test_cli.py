@@ -97,8 +97,9 @@ def test_train_tiny_sft_writes_a_self_describing_run(tmp_path):
     assert (saved.name, saved.seed, saved.recipe) == ("tiny", 3, "sft")
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert all(isinstance(r["loss/sft"], float) and r["loss/sft"] > 0 for r in records)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # step 0: the held-out loss before training
+    assert set(records[0]) == {"step", "eval/loss"} and records[0]["eval/loss"] > records[-1]["eval/loss"]
+    assert all(isinstance(r["loss/sft"], float) and r["loss/sft"] > 0 for r in records[1:])
     assert "eval/loss" in records[-1]
 
     final = out / "final"
@@ -108,7 +109,7 @@ def test_train_tiny_sft_writes_a_self_describing_run(tmp_path):
 
     again = tether("train", "c.yaml", *TINY_SFT, "--out", str(out), cwd=tmp_path)
     assert_one_line_error(again, "already holds a run")
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3  # the old run is untouched
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4  # the old run is untouched
 
 
 TINY_ASYNC_GRPO = [

@@ -83,6 +83,8 @@ def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenize
                 if is_eval_step:
                     metrics["eval/loss"] = trainer.eval_loss(held_out)
                     eval_losses.append((step, metrics["eval/loss"]))
+                if step == 1 and eval_losses:  # the curve's start; written with step 1, so that a run
+                    writer.log(0, {"eval/loss": eval_losses[0][1]})  # stopped before it may reuse --out
                 writer.log(step, metrics)
     final_dir = run_dir / "final"
     save_checkpoint(model, tokenizer, final_dir, source=config.init_from or config.model.path)
