@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
-from tether.training.optim import build_optimizer
+from tether.training.optim import build_optimizer, clipped_step
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -84,3 +85,25 @@ def test_bf16_optimizer_state_resumes_with_its_fp32_masters() -> None:
     _train(opt_b, b, 5)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_non_finite_gradient_skips_the_step_and_leaves_weights_and_moments_as_they_were(bad, bf16) -> None:
+    params = _bf16(_params()) if bf16 else _params()
+    optimizer = build_optimizer(params, lr=1e-2, weight_decay=0.1)
+    _train(optimizer, params, 3)
+    weights, state = copy.deepcopy([p.detach() for p in params]), copy.deepcopy(optimizer.state_dict())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[1].grad[5] = bad
+    norm, stepped = clipped_step(optimizer, params, max_norm=1.0)
+    assert not stepped and not norm < float("inf")  # nan or inf
+    assert all(p.grad is None for p in params)
+    assert all(torch.equal(a, b) for a, b in zip(params, weights))
+    torch.testing.assert_close(optimizer.state_dict(), state, rtol=0, atol=0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    norm, stepped = clipped_step(optimizer, params, max_norm=1.0)
+    assert stepped and norm == pytest.approx(sum(p.numel() for p in params) ** 0.5, rel=1e-2 if bf16 else 1e-6)
+    assert all(not torch.equal(a, b) for a, b in zip(params, weights))

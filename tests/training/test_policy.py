@@ -310,3 +310,26 @@ def test_loglinear_measures_the_epochs_of_a_batch_in_policy_versions(model_dir):
     behav, current = torch.zeros(1, 1), torch.ones(1, 1)
     out = loglinear.logprobs(current, None, behav, torch.tensor([[1]]), 3, 0.5)  # dv = 2
     assert out.item() == pytest.approx(2 / 2.5)
+
+
+def test_a_batch_with_a_non_finite_gradient_skips_its_step_and_the_next_batch_trains(model_dir, capsys):
+    """A NaN in the loss (here one advantage) would write NaN into every weight through AdamW: the
+    step is skipped instead (weights and moments unchanged, warned once, counted), as verl does."""
+    model = copy.deepcopy(load_model(model_dir))
+    optimizer, scheduler = _optimizer_and_scheduler(model)
+    trainer = PolicyTrainer(model, optimizer, scheduler, PolicyLossSettings(), SamplingView(1.0))
+    clean = _batch(model)
+    poisoned = copy.deepcopy(clean)
+    poisoned.advantages[0] = float("nan")
+    before = copy.deepcopy(model.state_dict())
+    for _ in range(2):
+        metrics = trainer.train_on(poisoned)
+        assert metrics["optim/skipped_steps"] == 1 and metrics["grad_norm"] != metrics["grad_norm"]  # NaN
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert not optimizer.state or all(not s for s in optimizer.state.values())  # no moments written
+    assert capsys.readouterr().err.count("optimizer step skipped") == 1
+
+    metrics = trainer.train_on(clean)
+    assert metrics["optim/skipped_steps"] == 0 and metrics["grad_norm"] > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(before[name], value) for name, value in model.state_dict().items())

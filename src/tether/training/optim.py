@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -138,3 +139,25 @@ def clip_and_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> floa
     else:
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     return float(norm)  # host sync: once per optimizer step
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
+                 max_norm: float) -> tuple[float, bool]:
+    """Clips the global gradient norm and steps ``optimizer``: (the norm before clipping, stepped).
+
+    A norm that is not finite (a NaN or inf in the loss or in a gradient) skips the step: the
+    gradients are dropped and the weights and the optimizer's moments stay as they were, as verl
+    does, instead of writing NaN into every weight and ending the run's learning for good."""
+    norm = clip_and_norm(params, max_norm)
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        return norm, False
+    optimizer.step()
+    return norm, True
+
+
+def warn_skipped(norm: float, what: str) -> None:
+    """The one-line warning for the first optimizer step ``clipped_step`` skipped."""
+    print(f"warning: {what}: optimizer step skipped, the gradient norm is {norm} (a NaN or inf in the loss "
+          "or the gradients); the weights are unchanged. Metric optim/skipped_steps counts such steps",
+          file=sys.stderr, flush=True)

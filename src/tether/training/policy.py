@@ -28,7 +28,7 @@ from tether.algorithms.mismatch import lag0_mismatch_metrics, mismatch_metrics
 from tether.algorithms.policy_loss import approx_proximal_logprobs
 from tether.algorithms.registry import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tether.training.batch import RolloutBatch, split_by_tokens
-from tether.training.optim import clip_and_norm
+from tether.training.optim import clipped_step, warn_skipped
 from tether.training.scoring import SamplingView, completion_logprobs
 
 
@@ -121,6 +121,7 @@ class PolicyTrainer:
         if settings.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         self.num_optimizer_steps = 0
+        self.num_skipped_steps = 0  # steps whose gradient norm was not finite (``clipped_step``)
 
     def _micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
         return split_by_tokens(batch.prompt_ids, batch.completion_lens, self.settings.micro_batch_tokens,
@@ -165,6 +166,7 @@ class PolicyTrainer:
         totals: dict[str, float] = {}
         mismatch: dict[str, float] = {}
         weights = None if is_masking else aggregation_weights(self.aggregate, mask)  # [B, T], fixed
+        num_skipped = 0
         for epoch in range(s.epochs_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
             correction = None
@@ -175,13 +177,19 @@ class PolicyTrainer:
                      for rows in chunks]
             if epoch == 0:  # the batch as sampled, against the trainer's pre-update weights
                 mismatch = self._mismatch(batch, chunks, [inputs for _, inputs in parts], version)
-            grad_norm = clip_and_norm(self.model.parameters(), s.grad_clip)
-            self.optimizer.step()
-            self.num_optimizer_steps += 1
+            grad_norm, stepped = clipped_step(self.optimizer, self.model.parameters(), s.grad_clip)
+            self.num_optimizer_steps += stepped
+            if not stepped:
+                if not self.num_skipped_steps:
+                    warn_skipped(grad_norm, "policy update")
+                self.num_skipped_steps += 1
+                num_skipped += 1
             totals = {**_merge([stats for stats, _ in parts]), **mismatch}
             totals["grad_norm"] = grad_norm
+        totals["optim/skipped_steps"] = num_skipped
         totals["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this batch's steps used
-        self.scheduler.step()
+        if num_skipped < s.epochs_per_batch:  # the schedule counts updates made (as DeepSpeed's skips)
+            self.scheduler.step()
         totals["time/train_s"] = time.perf_counter() - start
         num_tokens = float(mask.sum()) + sum(len(p) for p in batch.prompt_ids)
         totals["throughput/train_tokens_per_s"] = num_tokens * s.epochs_per_batch / totals["time/train_s"]

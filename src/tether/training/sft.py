@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tether.data.batching import PackedBatch, pack_by_token_budget, shift_targets
 from tether.data.tokenize import SFTExample
 from tether.models.attention import PackedAttention, sliding_window_args
-from tether.training.optim import clip_and_norm
+from tether.training.optim import clipped_step, warn_skipped
 
 
 def packed_nll(model: torch.nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, int]:
@@ -39,6 +39,7 @@ class SFTTrainer:
         self.scheduler = scheduler
         self.micro_batch_tokens = micro_batch_tokens
         self.grad_clip = grad_clip
+        self.num_skipped_steps = 0  # steps whose gradient norm was not finite (``clipped_step``)
 
     def train_step(self, examples: Sequence[SFTExample]) -> dict[str, float]:
         start = time.perf_counter()
@@ -51,14 +52,19 @@ class SFTTrainer:
             nll, _ = packed_nll(self.model, batch)
             (nll / max(num_targets, 1)).backward()
             total += nll.item()
-        grad_norm = clip_and_norm(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
+        grad_norm, stepped = clipped_step(self.optimizer, self.model.parameters(), self.grad_clip)
+        if not stepped:
+            if not self.num_skipped_steps:
+                warn_skipped(grad_norm, "sft")
+            self.num_skipped_steps += 1
         lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
+        if stepped:  # the schedule counts updates made (as DeepSpeed's skips)
+            self.scheduler.step()
         elapsed = time.perf_counter() - start
         num_tokens = sum(b.num_tokens for b in micro_batches)
         return {"loss/sft": total / max(num_targets, 1), "grad_norm": grad_norm, "lr": lr,
-                "time/step_s": elapsed, "throughput/train_tokens_per_s": num_tokens / elapsed}
+                "optim/skipped_steps": int(not stepped), "time/step_s": elapsed,
+                "throughput/train_tokens_per_s": num_tokens / elapsed}
 
     @torch.no_grad()
     def eval_loss(self, examples: Sequence[SFTExample]) -> float:
