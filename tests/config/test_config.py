@@ -446,6 +446,25 @@ def test_data_settings_the_grpo_recipe_does_not_read_are_refused(override):
     load_config(None, ["recipe=sft", *overrides])  # the sft recipe reads both
 
 
+@pytest.mark.parametrize("override", ["data.num_train=100", "data.num_eval=10", "data.task_options={num_digits: 2}"])
+@pytest.mark.parametrize("recipe", ["sft", "grpo"])
+def test_built_in_task_settings_given_with_a_data_file_are_refused(override, recipe):
+    """A user subsampling a file with data.num_train would train on every row: refused, not ignored."""
+    assert "read by built-in tasks only" in config_error(
+        overrides=[f"recipe={recipe}", "data.train=train.jsonl", override])
+    load_config(None, [f"recipe={recipe}", override])  # the built-in task reads it
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["trainer.batch_size=256"], "not read by the grpo recipe: a step trains on rollout.prompts_per_step"),
+    (["trainer.min_lr_ratio=0.1"], "not read by trainer.schedule=constant"),
+    (["recipe=sft", "trainer.min_lr_ratio=0.1"], "not read by trainer.schedule=constant"),
+])
+def test_trainer_settings_that_would_be_ignored_are_refused(overrides, expected):
+    assert expected in config_error(overrides=overrides)
+    load_config(None, ["recipe=sft", "trainer.batch_size=256", "trainer.schedule=cosine", "trainer.min_lr_ratio=0.1"])
+
+
 def test_errors_in_override_values_say_command_line_not_the_file(tmp_path):
     path = write(tmp_path, "trainer:\n  lr: 1e-4\n")
     assert config_error(path, ["rollout.max_staleness=-1"]) == (

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tether.data import (
     PreferenceRecord,
     PromptRecord,
     SFTRecord,
+    load_sft,
     tokenize_preference,
     tokenize_prompt,
     tokenize_sft,
@@ -172,3 +175,23 @@ def test_a_completion_gets_no_word_start_space_the_data_lacks():
     assert tokenizer.decode(example.input_ids, skip_special_tokens=True) == "Q: 2+2=4"
     spaced = tokenize_sft(SFTRecord(prompt="Q: 2+2=", completion=" 4"), tokenizer, 32)  # a real space stays
     assert tokenizer.decode(spaced.input_ids, skip_special_tokens=True) == "Q: 2+2= 4"
+
+
+def test_an_sft_reply_that_only_calls_a_tool_trains_on_the_call(char_tokenizer, tmp_path):
+    """Function-calling SFT data: the last assistant turn is OpenAI's {"content": null, "tool_calls": [...]}."""
+    tokenizer = with_template(
+        char_tokenizer,
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% for c in m.get('tool_calls', []) %}"
+        "<call>{{ c['function']['name'] }}</call>{% endfor %}<eos>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    row = {"messages": [{"role": "user", "content": "weather in Paris?"},
+                        {"role": "assistant", "content": None, "tool_calls": [call]}]}
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    [record] = load_sft(path)
+    assert masked_text(tokenizer, tokenize_sft(record, tokenizer, max_len=128)) == "<call>get_weather</call><eos>"
+    row["messages"][-1].pop("tool_calls")  # no text and no call: nothing to learn
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match="tools.jsonl:1: .*must be a string"):
+        load_sft(path)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tether.training.optim import build_optimizer, clipped_step
+from tether.training.optim import build_optimizer, build_scheduler, clip_and_norm, clipped_step
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -107,3 +107,23 @@ def test_a_non_finite_gradient_skips_the_step_and_leaves_weights_and_moments_as_
     norm, stepped = clipped_step(optimizer, params, max_norm=1.0)
     assert stepped and norm == pytest.approx(sum(p.numel() for p in params) ** 0.5, rel=1e-2 if bf16 else 1e-6)
     assert all(not torch.equal(a, b) for a, b in zip(params, weights))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_large_finite_gradient_norm_is_clipped_in_every_dtype(dtype) -> None:
+    """fp16 gradients of norm 8e4 (each element 2e4, finite) are clipped, not taken for an overflow."""
+    param = torch.nn.Parameter(torch.zeros(4, 4, dtype=dtype))
+    optimizer = build_optimizer([param], lr=1e-2)
+    param.grad = torch.full_like(param, 2e4)  # 19,968 in bf16
+    expected = 4 * param.grad[0, 0].item()
+    norm, stepped = clipped_step(optimizer, [param], max_norm=1.0)
+    assert stepped and norm == pytest.approx(expected) and bool((param != 0).all())
+    param.grad = torch.full_like(param, 2e4)
+    clip_and_norm([param], max_norm=1.0)
+    assert torch.linalg.vector_norm(param.grad.float()).item() == pytest.approx(1.0, rel=1e-2)
+
+
+def test_an_unknown_schedule_is_refused_when_built_even_with_warm_up() -> None:
+    optimizer = build_optimizer(_params(), lr=1e-3)
+    with pytest.raises(ValueError, match="unknown schedule 'cosin'; use constant, linear, cosine"):
+        build_scheduler(optimizer, warmup_steps=3, max_steps=10, schedule="cosin")

@@ -378,7 +378,7 @@ class ExperimentConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _held_out_settings_are_read(self) -> ExperimentConfig:
+    def _settings_not_read_are_refused(self) -> ExperimentConfig:
         """Settings that would be silently ignored are refused, naming the one that is read instead."""
         if self.data.task is not None and self.data.eval is not None:
             raise ValueError(f"data.eval={self.data.eval!r} is not read when data.task={self.data.task!r} is set "
@@ -396,4 +396,17 @@ class ExperimentConfig(Section):
         if self.recipe == "grpo" and self.data.max_seq_len != default_len:
             raise ValueError(f"data.max_seq_len={self.data.max_seq_len} is not read by the grpo recipe: its "
                              "sequences are capped by rollout.max_new_tokens and engine.max_model_len")
+        if self.data.task is None:
+            for key in ("num_train", "num_eval", "task_options"):
+                value, default = getattr(self.data, key), DataSection.model_fields[key].get_default(
+                    call_default_factory=True)
+                if value != default:
+                    raise ValueError(f"data.{key}={value!r} is read by built-in tasks only, not with data.train="
+                                     f"{self.data.train!r}: leave it out (a file is read whole)")
+        if self.recipe == "grpo" and self.trainer.batch_size != TrainerSection.model_fields["batch_size"].default:
+            raise ValueError(f"trainer.batch_size={self.trainer.batch_size} is not read by the grpo recipe: a step "
+                             "trains on rollout.prompts_per_step x rollout.group_size samples")
+        if self.trainer.schedule == "constant" and self.trainer.min_lr_ratio > 0:
+            raise ValueError(f"trainer.min_lr_ratio={self.trainer.min_lr_ratio} is not read by "
+                             "trainer.schedule=constant: set trainer.schedule=cosine or linear to decay to it")
         return self

@@ -1,8 +1,10 @@
 """A deterministic, resumable cursor over a dataset (prompts for RL, examples for SFT).
 
 All of its state (epoch, position, seed) is explicit, for the run's checkpoints to save (resume is
-planned; no run saves it yet): the order of epoch ``e`` is a permutation drawn from
-``seed + e``, so restarting at (epoch, position) replays exactly.
+planned; no run saves it yet): the order of epoch ``e`` is a permutation drawn from the string
+``"seed:e"`` (Python hashes a string seed by SHA-512, so seeds s and s + 1 do not share epochs, as
+``seed + e`` made them: run s + 1's first epoch was run s's second), and restarting at (epoch,
+position) replays exactly.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class DataCursor(Generic[T]):
     def _order_of(self, epoch: int) -> list[int]:
         order = list(range(len(self.items)))
         if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(order)
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
     def take(self, num: int) -> list[T]:

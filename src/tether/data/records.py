@@ -142,9 +142,10 @@ def check_reply(value: Any, prompt: Text, where: str, name: str) -> Text:
 
 def check_sft_reply(messages: Text, where: str, name: str) -> None:
     """An SFT target's last (assistant) message has text to learn: an empty one would train only the
-    turn's end, as an empty string ``completion`` is refused. (A preference pair's rejected answer may
-    be empty: a bad answer is what it shows.)"""
-    if isinstance(messages, list) and not messages[-1]["content"]:
+    turn's end, as an empty string ``completion`` is refused. A turn that only calls tools (no text,
+    ``tool_calls``) has its calls to learn. (A preference pair's rejected answer may be empty: a bad
+    answer is what it shows.)"""
+    if isinstance(messages, list) and not messages[-1]["content"] and not messages[-1].get("tool_calls"):
         raise DataError(f"{where}: field '{name}' ends with an empty assistant message")
 
 

@@ -98,6 +98,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
                     param.copy_(master)
 
 
+SCHEDULES = ("constant", "linear", "cosine")
+
+
 def lr_factor(step: int, *, warmup_steps: int, max_steps: int, schedule: str,
               min_lr_ratio: float = 0.0) -> float:
     """Multiplier of the peak LR at optimizer step ``step`` (0-based): linear warm-up, then decay.
@@ -117,27 +120,34 @@ def lr_factor(step: int, *, warmup_steps: int, max_steps: int, schedule: str,
     elif schedule == "cosine":
         decay = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
-        raise ValueError(f"unknown schedule {schedule!r}; use constant, linear or cosine")
+        raise ValueError(f"unknown schedule {schedule!r}; use {', '.join(SCHEDULES)}")
     return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, max_steps: int,
                     schedule: str, min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
-    lr_factor(0, warmup_steps=warmup_steps, max_steps=max_steps, schedule=schedule)  # validate name
+    if schedule not in SCHEDULES:  # before any step (a warm-up's steps never read the name)
+        raise ValueError(f"unknown schedule {schedule!r}; use {', '.join(SCHEDULES)}")
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup_steps=warmup_steps, max_steps=max_steps,
                                           schedule=schedule, min_lr_ratio=min_lr_ratio))
 
 
 def clip_and_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip the global gradient norm (0 disables clipping) and return the norm before clipping."""
-    params = [p for p in params if p.grad is not None]
-    if not params:
+    """Clip the global gradient norm (0 disables clipping) and return the norm before clipping.
+
+    The norm is summed in fp32 whatever the gradients' dtype (``clip_grad_norm_`` returns it in
+    theirs: fp16 gradients of norm 8e4, every element finite, gave inf, and an inf norm skips the
+    step where clipping was wanted), then every gradient is scaled by min(1, max_norm / norm) as
+    ``clip_grad_norm_`` does."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
         return 0.0
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
     if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for dtype in {g.dtype for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
     return float(norm)  # host sync: once per optimizer step
 
 
