@@ -243,11 +243,22 @@ def test_missing_and_empty_files(in_tmp):
         load_prompts("broken.parquet")
 
 
-def test_unknown_dataset_name_fails_offline_in_one_line(in_tmp):
+@pytest.mark.parametrize("name", ["surely_not_a_cached_dataset_name", "some-org/surely_not_cached-v1.5"])
+def test_unknown_dataset_name_fails_offline_in_one_line(in_tmp, name):
+    """A Hub name, ``org/name`` as most are, is looked up in the local cache, not taken for a file."""
     with pytest.raises(DataError) as info:
-        load_prompts("surely_not_a_cached_dataset_name")
-    assert str(info.value).startswith("cannot load dataset 'surely_not_a_cached_dataset_name' offline")
+        load_prompts(name)
+    assert str(info.value).startswith(f"no data file or directory '{name}', and no dataset of that name in the "
+                                      "local `datasets` cache (")
     assert "\n" not in str(info.value)
+
+
+def test_a_bad_row_in_a_directory_of_jsonl_files_is_named_by_file_and_line(in_tmp):
+    write_jsonl(Path("folder/train.jsonl"), [{"prompt": "1+1="}, {"prompt": "2+2="}])
+    with Path("folder/train.jsonl").open("a") as f:
+        f.write('{"prompt":\n')
+    with pytest.raises(DataError, match=r"^folder/train.jsonl:3: invalid JSON \(Expecting value at column 1\)$"):
+        load_prompts("folder")
 
 
 BAD_SFT_ROWS = [

@@ -80,12 +80,19 @@ def test_examples_longer_than_the_models_context_are_cut_there_with_one_warning(
     assert max(lengths) == 32 and min(lengths) < 32
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "1 of 2 examples are longer than the model's context of 32 tokens" in warnings[0]
+    assert warnings[0].endswith("cut at 32, losing their ends and eos (the first: " f"{data}:2)")
     # A prompt past the context leaves no room for its completion: the error names the context, not
     # data.max_seq_len (256, which it fits).
     data.write_text(json.dumps({"prompt": "1+2=" * 10, "completion": "3"}) + "\n")
     with pytest.raises(DataError, match=r"sft.jsonl:1: prompt is 41 tokens, leaving no room for the completion "
                                         r"within max_len=32 \(the model's context, max_position_embeddings\)"):
         run_sft(config, tmp_path / "run2")
+    # data.max_seq_len below the context cuts as silently as TRL's truncation would: warned the same way
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    short = config.model_copy(update={"data": config.data.model_copy(update={"max_seq_len": 16})})
+    run_sft(short, tmp_path / "run3")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "1 of 2 examples are longer than data.max_seq_len=16 tokens: cut at 16" in warnings[0]
 
 
 def test_final_checkpoint_keeps_the_sources_generation_config(tmp_path):

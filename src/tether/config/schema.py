@@ -98,7 +98,8 @@ class DataSection(Section):
         return self
 
     train: str | None = Field(
-        None, description="Training data: a JSONL or Parquet file, a `datasets` directory or name. "
+        None, description="Training data: a JSONL or Parquet file, a `datasets` directory, or a dataset name "
+        "(`org/name`) in the local `datasets` cache. "
         "Setting it turns the default `data.task` off. Rows: `prompt` (grpo); `prompt` + `completion`, "
         "`messages` or `text` (sft: the loss is on the completion, a `messages` row's last assistant "
         "message (earlier turns are context), a chat `completion` whole (as TRL), or all of a `text`).")
@@ -114,8 +115,9 @@ class DataSection(Section):
         default_factory=dict, description="Keyword options of the built-in task (e.g. num_digits).")
     num_train: int = Field(2000, gt=0, description="Training examples drawn from a built-in task.")
     num_eval: int = Field(200, gt=0, description="Held-out examples drawn from a built-in task.")
-    max_seq_len: int = Field(256, ge=2, description="Longest tokenised example (prompt + completion); the "
-                             "sft recipe (grpo: rollout.max_new_tokens and engine.max_model_len).")
+    max_seq_len: int = Field(256, ge=2, description="Longest tokenised example (prompt + completion; longer "
+                             "completions are cut, with one warning counting them); the sft recipe (grpo: "
+                             "rollout.max_new_tokens and engine.max_model_len).")
 
 
 class AlgorithmSection(Section):

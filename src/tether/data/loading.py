@@ -177,10 +177,22 @@ def read_rows(source: Source, *, split: str = "train") -> Iterator[Row]:
         raise DataError(
             f"unsupported data file type '{path.suffix}': {path} (use .jsonl, .parquet or a directory)"
         )
-    elif path.suffix or os.sep in str(source):
+    elif _is_file_path(str(source)):
         raise DataError(f"data file not found: {path}")
-    else:
+    else:  # a Hub name, ``org/name`` or ``name``, read from the local cache
         yield from _read_named_dataset(str(source), split)
+
+
+# Suffixes that make a missing source a missing file, not a dataset name (Hub names may hold dots:
+# ``org/Dataset-v1.5``).
+_FILE_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt", ".gz", ".zst", ".arrow", ".yaml", ".yml"}
+
+
+def _is_file_path(source: str) -> bool:
+    """A missing ``source`` that can only be a path: absolute, relative to ``.``/``~``, deeper than
+    ``org/name``, or with a data file's suffix."""
+    return (source.startswith((".", "/", "~")) or source.count("/") > 1 or os.sep != "/" and os.sep in source
+            or Path(source).suffix.lower() in _FILE_SUFFIXES)
 
 
 def _read_jsonl(path: Path) -> Iterator[Row]:
@@ -236,7 +248,9 @@ def _read_datasets_dir(path: Path, split: str) -> Iterator[Row]:
             datasets.load_from_disk(str(path)) if is_saved else datasets.load_dataset(str(path), split=split)
         )
     except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
-        raise DataError(f"{path}: cannot load dataset ({one_line(e)})") from None
+        if not is_saved:
+            _find_bad_row(path)  # a JSONL or Parquet file's bad row, by file and line, where there is one
+        raise DataError(f"{path}: cannot load dataset ({_reason(e)})") from None
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
             raise DataError(f"{path}: no split '{split}' (available: {', '.join(dataset)})")
@@ -249,8 +263,28 @@ def _read_named_dataset(name: str, split: str) -> Iterator[Row]:
     try:
         dataset = datasets.load_dataset(name, split=split)
     except Exception as e:
-        raise DataError(f"cannot load dataset '{name}' offline ({one_line(e)})") from None
+        raise DataError(f"no data file or directory '{name}', and no dataset of that name in the local `datasets` "
+                        f"cache ({_reason(e)})") from None
     yield from ((f"{name}:row {i}", row) for i, row in enumerate(dataset))
+
+
+def _find_bad_row(directory: Path) -> None:
+    """Reads the JSONL and Parquet files under a directory ``datasets`` failed on with tether's own
+    readers, whose errors name the file and line (``datasets`` names neither)."""
+    readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
+    for file in sorted(directory.rglob("*")):
+        if file.suffix in readers and file.is_file():
+            for _ in readers[file.suffix](file):
+                pass
+
+
+def _reason(error: BaseException) -> str:
+    """``datasets``' error and, where it wraps another, the innermost one: "An error occurred while
+    generating the dataset" says nothing; the JSON parse error with its row under it does."""
+    root = error
+    while (inner := root.__cause__ or root.__context__) is not None and inner is not root:
+        root = inner
+    return one_line(error) if root is error else f"{one_line(error)}: {one_line(root)}"
 
 
 def _offline_datasets() -> Any:

@@ -63,6 +63,7 @@ class SFTExample:
     input_ids: list[int]  # [T]
     loss_mask: list[bool]  # [T]; loss_mask[t]: token t is a target predicted from position t-1
     index: int = 0  # the record's index, to trace an example back to its row
+    is_cut: bool = False  # tokens past ``max_len`` were dropped (the completion's end and its eos)
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
@@ -115,8 +116,9 @@ def tokenize_sft(record: SFTRecord, tokenizer: Tokenizer, max_len: int,
     if record.completion is None:
         if not isinstance(record.prompt, str):
             raise DataError(f"{_where(record)}: a record without completion must be plain text")
-        ids = _with_eos(tokenize_prompt(record, tokenizer), eos)[:max_len]
-        return SFTExample(ids, [False] + [True] * (len(ids) - 1), record.index)
+        full = _with_eos(tokenize_prompt(record, tokenizer), eos)
+        ids = full[:max_len]
+        return SFTExample(ids, [False] + [True] * (len(ids) - 1), record.index, is_cut=len(full) > max_len)
     try:
         prompt_ids = tokenize_prompt(record, tokenizer)
         completion_ids = _completion_ids(record, tokenizer, eos, prompt_ids)
@@ -127,10 +129,11 @@ def tokenize_sft(record: SFTRecord, tokenizer: Tokenizer, max_len: int,
             f"{_where(record)}: prompt is {len(prompt_ids)} tokens, "
             f"leaving no room for the completion within max_len={max_len} ({limit})"
         )
+    is_cut = len(prompt_ids) + len(completion_ids) > max_len
     completion_ids = completion_ids[: max_len - len(prompt_ids)]
     loss_mask = [False] * len(prompt_ids) + [True] * len(completion_ids)
     loss_mask[0] = False  # only reachable with an empty prompt and no bos
-    return SFTExample(prompt_ids + completion_ids, loss_mask, record.index)
+    return SFTExample(prompt_ids + completion_ids, loss_mask, record.index, is_cut)
 
 
 def tokenize_preference(

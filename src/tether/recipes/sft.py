@@ -41,18 +41,22 @@ def _tokenize_all(records: list[Any], tokenizer: Any, max_len: int, source: str 
 
 def _fit_context(records: list[Any], tokenizer: Any, max_len: int, context: int,
                  source: str | None) -> list[SFTExample]:
-    """Examples cut at ``max_len`` (data.max_seq_len) and at the model's context, with one warning
-    when the context cut any (a position past it was never trained, and may not work)."""
-    examples = _tokenize_all(records, tokenizer, max_len, source)
-    num_long = sum(1 for e in examples if len(e.input_ids) > context)
-    if not num_long:
-        return examples
-    print(f"warning: {source}: {num_long} of {len(examples)} examples are longer than the model's context of "
-          f"{context} tokens (max_position_embeddings, or as its rope_scaling extends it; data.max_seq_len="
-          f"{max_len}): cut at {context}",
-          file=sys.stderr, flush=True)
-    return _tokenize_all(records, tokenizer, min(max_len, context), source,
-                         "the model's context, max_position_embeddings" if context < max_len else "data.max_seq_len")
+    """Examples cut at ``max_len`` (data.max_seq_len) or the model's context, whichever is shorter,
+    with one warning that counts the examples cut (their ends and eos are never trained; past the
+    context, a position would never have been trained either)."""
+    if context < max_len:
+        limit = "the model's context, max_position_embeddings"
+        what = (f"the model's context of {context} tokens (max_position_embeddings, or as its rope_scaling "
+                f"extends it; data.max_seq_len={max_len})")
+    else:
+        limit, what = "data.max_seq_len", f"data.max_seq_len={max_len} tokens"
+    examples = _tokenize_all(records, tokenizer, min(max_len, context), source, limit)
+    cut = [getattr(r, "where", "") or f"row {i}" for i, (r, e) in enumerate(zip(records, examples)) if e.is_cut]
+    if cut:
+        print(f"warning: {source}: {len(cut)} of {len(examples)} examples are longer than {what}: cut at "
+              f"{min(max_len, context)}, losing their ends and eos (the first: {cut[0]})",
+              file=sys.stderr, flush=True)
+    return examples
 
 
 def run_sft(config: ExperimentConfig, run_dir: Path, model: Any = None, tokenizer: Any = None) -> SFTResult:
