@@ -160,8 +160,10 @@ def test_dict_return_adds_named_sub_scores():
 
     result = score(WeightedReward("parts", parts, 2.0))
     assert result.totals == [2.5, 2.5, 0.5]
-    assert result.components == {"parts/format": [0.25] * 3, "parts/correct": [1.0, 1.0, 0.0]}
+    assert result.components == {"parts": [1.25, 1.25, 0.25], "parts/format": [0.25] * 3,
+                                 "parts/correct": [1.0, 1.0, 0.0]}  # its own: the unweighted sum
     assert result.metrics()["reward/parts/correct/mean"] == pytest.approx(2 / 3)
+    assert result.metrics()["reward/parts/mean"] == pytest.approx(2.75 / 3)
 
 
 def test_numpy_and_torch_scalars_and_bools_are_numbers():
@@ -198,6 +200,45 @@ def test_a_reward_file_with_a_dataclass_loads_by_path(tmp_path):
             return Judge(2.0).scale
     """)
     assert resolve_reward(f"{path}:judged")("p", "c") == 2.0
+
+
+def test_two_functions_of_one_reward_file_share_one_load_of_it(tmp_path):
+    """A judge loaded at import time is loaded once, and a cache in the file's globals is shared."""
+    path = write_module(tmp_path, "shared_rewards", """
+        LOADS = []
+        LOADS.append("judge")
+        CACHE = {}
+
+        def first(prompt, completion, **fields):
+            CACHE[completion] = 1.0
+            return 1.0
+
+        def second(prompt, completion, **fields):
+            return CACHE[completion] + len(LOADS)
+    """)
+    first, second = resolve_reward(f"{path}:first"), resolve_reward(f"{path}:second")
+    assert first("p", "c") == 1.0 and second("p", "c") == 2.0
+
+
+def test_a_reward_file_imports_a_helper_module_beside_it(tmp_path, monkeypatch):
+    """rewards/acc.py doing `from helpers import extract`, run from elsewhere, as a script would."""
+    import sys
+
+    (tmp_path / "rewards").mkdir()
+    write_module(tmp_path / "rewards", "answer_helpers_beside", """
+        def extract(text):
+            return text.strip()
+    """)
+    write_module(tmp_path / "rewards", "acc_with_helper", """
+        from answer_helpers_beside import extract
+
+        def acc(prompt, completion, answer="", **fields):
+            import answer_helpers_beside  # lazily, at call time, too
+            return float(answer_helpers_beside.extract(completion) == extract(answer))
+    """)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert resolve_reward("rewards/acc_with_helper.py:acc")("p", " 4 ", answer="4") == 1.0
 
 
 def test_a_module_in_the_working_directory_imports_from_the_console_script(tmp_path, monkeypatch):
@@ -268,7 +309,7 @@ def test_broken_function_is_counted_and_scores_zero(bad_value, fragment):
     assert metrics["reward/good/mean"] == 0.5
 
 
-def test_a_failed_call_of_a_sub_score_reward_adds_no_metric_name():
+def test_a_failed_call_of_a_sub_score_reward_removes_no_metric_name():
     """A failure scores 0 in the function's sub-scores seen so far: the run's metric names are the
     same in a batch with failures, one where every call fails, and one without."""
     def judge(prompt, completion, **fields):
@@ -281,9 +322,15 @@ def test_a_failed_call_of_a_sub_score_reward_adds_no_metric_name():
     clean = computer.score(PROMPTS[:2], ["a", "b"], rows).metrics()
     mixed = computer.score(PROMPTS[:2], ["a", "fail"], rows)
     failed = computer.score(PROMPTS[:2], ["fail", "fail"], rows).metrics()
-    assert mixed.components == {"judge/acc": [1.0, 0.0], "judge/fmt": [0.5, 0.0]}
+    assert mixed.components == {"judge": [1.5, 0.0], "judge/acc": [1.0, 0.0], "judge/fmt": [0.5, 0.0]}
     assert set(clean) == set(mixed.metrics()) == set(failed)
     assert failed["reward/judge/acc/mean"] == 0.0 and failed["reward/judge/errors"] == 2.0
+    # Failing before its first success (its sub-scores unknown yet), it writes its own mean, which
+    # it keeps writing once the sub-scores are known: no metric name is replaced by others.
+    fresh = RewardComputer([WeightedReward("judge", judge)])
+    first = fresh.score(PROMPTS[:2], ["fail", "fail"], rows).metrics()
+    later = fresh.score(PROMPTS[:2], ["a", "b"], rows).metrics()
+    assert set(first) <= set(later) and later["reward/judge/mean"] == 1.5
 
 
 def test_a_result_whose_conversion_and_repr_raise_is_counted():

@@ -137,6 +137,27 @@ def test_dynamic_sampling_without_any_signal_stops_after_ten_batches_of_groups(t
     assert 10 * groups_per_batch <= num_filtered < 11 * groups_per_batch
 
 
+def test_reward_failures_in_groups_dynamic_sampling_drops_are_counted_and_named(tiny_policy):
+    """A reward raising on every call scores each group all 0, which dynamic sampling drops: the
+    failures must not leave with the groups (the stop names the reward's error, not only 'no variance')."""
+    config = tiny_config("rollout.mode=async", "rollout.dynamic_sampling=true", reward="broken")
+    components, _ = in_process(config, tiny_policy, run_ahead=False)
+    with pytest.raises(RolloutStalledError, match=r"a reward function failed \(scored 0\): .*broken: ValueError: "
+                                                  r"broken reward\): check the reward functions"):
+        run_steps(components, 1)
+    counters = components.transport.counters
+    assert counters.num_filtered_reward_errors == counters.num_filtered * 4  # every call of every group
+    # flaky: some groups keep variance and train, others are dropped with their failures counted
+    config = tiny_config("rollout.mode=async", "rollout.dynamic_sampling=true", reward="flaky")
+    components, _ = in_process(config, tiny_policy, run_ahead=False)
+    state = LoopState()
+    history = [async_rl_step(components, state)[0] for _ in range(3)]
+    counters = components.transport.counters
+    assert history[-1]["rollout/num_filtered_reward_errors"] == counters.num_filtered_reward_errors
+    assert sum(m["reward/errors"] for m in history) + counters.num_filtered_reward_errors > 0
+    assert "flaky reward failed" in state.first_reward_errors["reward_fns:flaky"]  # warned by the run
+
+
 def test_sync_mode_with_oversampling_stays_on_policy(tiny_policy, tmp_path):
     from tether.metrics import read_metrics
     from tether.recipes.grpo import run_grpo

@@ -75,8 +75,8 @@ class RewardComputer:
         if not rewards:
             raise ValueError("at least one reward function is required")
         self.rewards = list(rewards)
-        # Each function's component names seen so far (``""``: a plain score): a failed call scores 0
-        # in these, so metric names do not change with a batch's failures.
+        # Each dict-returning function's sub-score names seen so far: a failed call scores 0 in these
+        # (and in the function's own score, always written), so no metric name leaves with a failure.
         self._keys: dict[str, dict[str, None]] = {reward.name: {} for reward in self.rewards}
 
     def score(self, prompts: Sequence[str], completions: Sequence[str],
@@ -90,9 +90,10 @@ class RewardComputer:
                 if error is not None:
                     result.num_errors[reward.name] += 1
                     result.first_errors.setdefault(reward.name, f"{reward.name}: {error}")
+                result.components.setdefault(reward.name, [0.0] * num)[i] = score  # a dict's: its sum
                 for key, value in parts.items():
                     self._keys[reward.name].setdefault(key)
-                    result.components.setdefault(_component(reward.name, key), [0.0] * num)[i] = value
+                    result.components.setdefault(f"{reward.name}/{key}", [0.0] * num)[i] = value
                 weighted = reward.weight * score
                 if not abs(weighted) <= MAX_ABS_REWARD:  # a large weight times a large score (a failed
                     result.num_errors[reward.name] += 1  # call scored 0, so it never gets here)
@@ -100,13 +101,10 @@ class RewardComputer:
                                                                 f"{score} is beyond +-{MAX_ABS_REWARD:g}")
                     weighted = 0.0
                 result.totals[i] += weighted
-            for key in self._keys[reward.name] or {"": None}:  # failed samples: 0 in each
-                result.components.setdefault(_component(reward.name, key), [0.0] * num)
+            for key in (None, *self._keys[reward.name]):  # failed samples: 0 in each
+                result.components.setdefault(reward.name if key is None else f"{reward.name}/{key}", [0.0] * num)
         return result
 
-
-def _component(reward_name: str, key: str) -> str:
-    return reward_name if key == "" else f"{reward_name}/{key}"
 
 
 def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
@@ -130,6 +128,8 @@ def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
                                             f"+-{MAX_ABS_REWARD:g}: {_repr(item)}")
                 if str(key) in parts:  # 1 and "1": one metric name, one would be lost from the sum
                     return 0.0, {}, f"two sub-scores are named {str(key)!r}"
+                if not str(key):  # its metric would be the reward's own (the sum of its sub-scores)
+                    return 0.0, {}, "a sub-score is named '' (it needs a name)"
                 parts[str(key)] = number
             total = sum(parts.values())
             if not abs(total) <= MAX_ABS_REWARD:
@@ -138,7 +138,7 @@ def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
         number = _as_number(value)
         if number is None:
             return 0.0, {}, f"returned {_repr(value)}, not a finite number within +-{MAX_ABS_REWARD:g}"
-        return number, {"": number}, None
+        return number, {}, None
     # User code: any failure is counted, never raised. SystemExit too (a code-execution reward runs
     # model-written code, which may call exit()), and CancelledError (an async judge's call). Only
     # KeyboardInterrupt (the user) goes through.

@@ -99,6 +99,14 @@ def _load_file(path_text: str, spec: str) -> Any:
     # not collide), as importlib's recipe does: dataclasses and pickle look classes up in sys.modules.
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
     name = f"tether_reward_{path.stem}_{digest}"
+    if name in sys.modules:  # two functions of one file share one module: its globals, one import-time load
+        return sys.modules[name]
+    # Its own directory first on sys.path, as running the file as a script would, and kept there: a
+    # helper module beside it (``from utils import extract_answer``) is imported at load time or
+    # lazily, inside a reward call.
+    directory = str(path.resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise ConfigError(f"rewards: cannot load {path} ({spec})")

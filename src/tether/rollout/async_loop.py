@@ -70,9 +70,11 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
         # batches, the run stops with the reason (verl's max_num_gen_batches), not after max_wait_s.
         num_filtered = counters.num_filtered - filtered_at_progress
         if num_filtered >= MAX_FILTERED_DRAWS * c.groups_per_batch:
+            reward_error = next(iter(counters.filtered_reward_errors.values()), None)
+            cause = f"; a reward function failed (scored 0): {reward_error}" if reward_error else ""
             raise RolloutStalledError(
                 f"dynamic sampling filtered {num_filtered} groups in a row (every sample of each scored the "
-                "same, so no advantage): check the reward functions, or set rollout.dynamic_sampling=false")
+                f"same, so no advantage{cause}): check the reward functions, or set rollout.dynamic_sampling=false")
         # Failing groups with none finishing in between: from the start, or mid-run (weights gone
         # NaN), a run stops after 3 batches' worth, as the sync loop does, not after max_wait_s.
         num_in_a_row = counters.num_failed - failed_at_progress
@@ -116,6 +118,7 @@ def async_rl_step(c: AsyncRLComponents, state: LoopState) -> tuple[dict[str, Any
     wait_s = time.perf_counter() - start
     scores = merge_scores(groups)
     state.note_reward_errors(scores.first_errors)
+    state.note_reward_errors(c.transport.counters.filtered_reward_errors)  # in groups dynamic sampling dropped
     batch = groups_to_batch(groups, c.advantage_fn, c.group_size, scores)  # advantages
     lags = torch.tensor([lag for g in groups for lag in g.lags(state.policy_version)])  # [B * G]
     train_metrics = c.trainer.train_on(batch, policy_version=state.policy_version)  # loss -> optimizer step
@@ -139,6 +142,7 @@ def async_rl_step(c: AsyncRLComponents, state: LoopState) -> tuple[dict[str, Any
         "throughput/gen_tokens_per_s": num_generated / max(gen_s, 1e-9),  # every token the engine sampled
         "throughput/step_tokens_per_s": float(lengths.sum()) / max(step_s, 1e-9),  # tokens trained on
         "rollout/num_stale_dropped": state.num_stale_dropped, "rollout/num_filtered": counters.num_filtered,
+        "rollout/num_filtered_reward_errors": counters.num_filtered_reward_errors,
         "rollout/num_failed": counters.num_failed,
         "rollout/num_aborted": counters.num_aborted, "rollout/num_reissued": counters.num_reissued,
         "rollout/buffer_size": len(c.buffer), "policy_version": state.policy_version,

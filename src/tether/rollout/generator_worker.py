@@ -50,6 +50,8 @@ class GeneratorCounters:
     num_started: int = 0  # groups admitted (re-issues included)
     num_finished: int = 0  # groups scored and handed out
     num_filtered: int = 0  # dynamic sampling: zero reward variance, dropped
+    num_filtered_reward_errors: int = 0  # reward calls that failed (scored 0) in those groups
+    filtered_reward_errors: dict[str, str] = field(default_factory=dict)  # each reward's first such failure
     num_failed: int = 0  # a sample failed in the engine (finish_reason "error"): the group is dropped
     first_failure: str | None = None  # the first such sample's error, for the log
     num_aborted: int = 0  # aborted in flight, too stale to ever be trained on; prompt re-issued
@@ -210,6 +212,11 @@ class GeneratorWorker:
         if self.settings.is_dynamic_sampling and num > 1 and not rollout.has_reward_variance:
             self.controller.release()  # no signal: its place goes to a fresh prompt
             self.counters.num_filtered += 1
+            # A reward that fails on every sample scores the group all 0: its failures must not
+            # leave with the group (they are counted and reported like a trained group's).
+            self.counters.num_filtered_reward_errors += sum(scores.num_errors.values())
+            for name, message in scores.first_errors.items():
+                self.counters.filtered_reward_errors.setdefault(name, message)
             return None
         self.counters.num_finished += 1
         return rollout
