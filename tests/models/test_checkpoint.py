@@ -246,3 +246,40 @@ def test_a_checkpoint_save_that_fails_leaves_no_half_written_directory(tmp_path)
     reloaded = load_model(tmp_path / "final")
     assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_final_keeps_the_source_tokenizer_files_byte_for_byte(tmp_path):
+    """A tokenizer re-saved by the installed transformers differs from the source's (transformers 5
+    writes a tokenizer_config.json that transformers 4, vLLM's, cannot load, and drops files): a
+    trained checkpoint carries the source's files as they were."""
+    from tether.models import load_tokenizer
+    from tether.models.checkpoint import save_checkpoint
+
+    source = make_hf_checkpoint(tmp_path / "src", "qwen2", hidden_size=32, num_layers=1)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="PreTrainedTokenizerFast", legacy=False, written_by="transformers 4.57")
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    (source / "merges.txt").write_text("#version: 0.2\n")
+    (source / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    tokenizer = load_tokenizer(source)
+    final = save_checkpoint(load_model(source), tokenizer, tmp_path / "final", source=source)
+    for name in ("tokenizer.json", "tokenizer_config.json", "merges.txt", "special_tokens_map.json"):
+        assert (final / name).read_bytes() == (source / name).read_bytes(), name
+    assert load_tokenizer(final)("12+3=\n ok")["input_ids"] == tokenizer("12+3=\n ok")["input_ids"]
+
+
+def test_a_built_tokenizer_is_saved_as_the_generic_class_transformers_4_and_5_load(tmp_path):
+    """A model from scratch has no source tokenizer: its character tokenizer is saved with
+    tokenizer_class PreTrainedTokenizerFast (transformers 5 writes TokenizersBackend, unknown to 4)."""
+    from transformers import AutoTokenizer
+
+    from tether.models import build_char_tokenizer
+    from tether.models.checkpoint import save_checkpoint
+
+    model = load_model(make_hf_checkpoint(tmp_path / "src", "qwen2", hidden_size=32, num_layers=1))
+    tokenizer = build_char_tokenizer()
+    final = save_checkpoint(model, tokenizer, tmp_path / "final")
+    config = json.loads((final / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and "is_local" not in config
+    loaded = AutoTokenizer.from_pretrained(str(final), local_files_only=True)
+    assert loaded("a b\n7")["input_ids"] == tokenizer("a b\n7")["input_ids"]

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from tether.errors import CheckpointError
 from tether.models.config import ModelConfig
 from tether.models.decoder import Decoder
+from tether.models.tokenizer import GENERIC_TOKENIZER_CLASSES, TOKENIZER_FILES
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -130,7 +131,9 @@ def load_model(
     if config.tie_word_embeddings and _has_own_head(tensors):
         # As transformers 5 does: a saved head unlike the embedding is the model's head, untied.
         warnings.warn(f"{listing}: config.json ties the embeddings but lm_head.weight differs from "
-                      "model.embed_tokens.weight; loading the saved head, untied (as transformers does)",
+                      "model.embed_tokens.weight; loading the saved head, untied, as transformers 5 does "
+                      "(transformers 4 and vLLM use the embedding as the head: their logits differ from tether's; "
+                      "final/ is saved untied)",
                       stacklevel=2)
         config = dataclasses.replace(config, tie_word_embeddings=False)
         with torch.device("meta"):
@@ -207,7 +210,10 @@ def save_checkpoint(model: Decoder, tokenizer: Any, path: str | Path, source: st
     staging = directory.with_name(f".{directory.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)  # a save killed before this one
     save_model(model, staging)
-    tokenizer.save_pretrained(staging)
+    if source is not None and any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        _copy_tokenizer_files(Path(source), staging)
+    else:
+        _save_built_tokenizer(tokenizer, staging)
     for name in CARRIED_FILES if source is not None else ():
         if (Path(source) / name).is_file():
             shutil.copyfile(Path(source) / name, staging / name)
@@ -220,6 +226,36 @@ def save_checkpoint(model: Decoder, tokenizer: Any, path: str | Path, source: st
     else:
         staging.rename(directory)
     return directory
+
+
+# A tokenizer's files as checkpoints hold them (fast, sentencepiece, BPE, WordPiece, tiktoken; chat templates).
+_TOKENIZER_CARRIED = (*TOKENIZER_FILES, "tokenizer_config.json", "merges.txt", "special_tokens_map.json",
+                      "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def _copy_tokenizer_files(source: Path, target: Path) -> None:
+    """The source checkpoint's tokenizer, byte for byte: tether never changes a tokenizer, and one
+    re-saved by the installed transformers differs (transformers 5 writes a tokenizer_config.json
+    that transformers 4, vLLM's, cannot load, and drops tokenizer.model, merges.txt, vocab.json)."""
+    for name in _TOKENIZER_CARRIED:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, target / name)
+    if (source / "additional_chat_templates").is_dir():
+        shutil.copytree(source / "additional_chat_templates", target / "additional_chat_templates")
+
+
+def _save_built_tokenizer(tokenizer: Any, target: Path) -> None:
+    """A tokenizer tether built (the character tokenizer of a model from scratch), saved so that
+    transformers 4 and 5 both load it: as the generic class (transformers 5 writes its own
+    ``TokenizersBackend``, which 4 does not know) and without 5's load-time flags."""
+    tokenizer.save_pretrained(target)
+    path = target / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):
+        config.pop(key, None)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def save_model(model: Decoder, path: str | Path, max_shard_bytes: int | None = None) -> Path:
