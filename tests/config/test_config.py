@@ -465,6 +465,14 @@ def test_trainer_settings_that_would_be_ignored_are_refused(overrides, expected)
     load_config(None, ["recipe=sft", "trainer.batch_size=256", "trainer.schedule=cosine", "trainer.min_lr_ratio=0.1"])
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    (["algorithm.proximal=bypass", "algorithm.correction=tis_token"], "does nothing with algorithm.proximal=bypass"),
+    (["algorithm.correction=geo_mask", "algorithm.correction_cap=0.9"], "the cap must be >= 1"),
+])
+def test_corrections_that_would_do_nothing_or_fail_at_the_first_step_are_refused(overrides, expected):
+    assert expected in config_error(overrides=overrides)
+
+
 def test_errors_in_override_values_say_command_line_not_the_file(tmp_path):
     path = write(tmp_path, "trainer:\n  lr: 1e-4\n")
     assert config_error(path, ["rollout.max_staleness=-1"]) == (

@@ -151,6 +151,18 @@ class AlgorithmSection(Section):
             raise ValueError(f"must be one of {', '.join(names)}")
         return name
 
+    @model_validator(mode="after")
+    def _correction_applies(self) -> AlgorithmSection:
+        """Combinations under which the correction would do nothing, or fail at the first step."""
+        if self.proximal == "bypass" and self.correction != "none":
+            raise ValueError(f"algorithm.correction={self.correction} does nothing with algorithm.proximal=bypass: "
+                             "the proximal log-probs are the engine's, so its ratio to them is 1; use proximal "
+                             "recompute or loglinear, or correction none")
+        if self.correction == "geo_mask" and self.correction_cap < 1:
+            raise ValueError(f"algorithm.correction_cap={self.correction_cap}: geo_mask keeps sequences whose "
+                             "geometric-mean ratio lies in [1/cap, cap], so the cap must be >= 1 (typical: 1.01-1.05)")
+        return self
+
 
 class RolloutSection(Section):
     group_size: int = Field(8, ge=1, le=MAX_GROUP_SIZE, description="Samples per prompt (the GRPO group, G).")
