@@ -333,3 +333,38 @@ def test_a_batch_with_a_non_finite_gradient_skips_its_step_and_the_next_batch_tr
     assert metrics["optim/skipped_steps"] == 0 and metrics["grad_norm"] > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
+def test_kl_to_the_reference_compares_unfiltered_distributions_under_top_k(model_dir):
+    """Under top-k, a token outside the reference's kept set has log-prob -inf there: the KL the
+    policy owes must not vanish on exactly those tokens. KL and its gradient are the same whatever
+    top-k/top-p the samples were drawn with (temperature only, as verl and OpenRLHF compute it)."""
+    reference = load_model(model_dir)
+    policy = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    batch = _batch(policy)
+    batch.advantages.zero_()  # the KL term alone
+
+    def kl_and_grad(top_k):
+        model = copy.deepcopy(policy)
+        optimizer = build_optimizer(model.parameters(), lr=0.0)  # the gradient is compared, not an update
+        scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=10, schedule="constant")
+        settings = PolicyLossSettings(kl_coef=0.5, grad_clip=0.0)
+        trainer = PolicyTrainer(model, optimizer, scheduler, settings, SamplingView(1.0, top_k=top_k),
+                                ref_model=copy.deepcopy(reference).eval().requires_grad_(False))
+        batch_k = copy.deepcopy(batch)
+        with torch.no_grad():  # behaviour log-probs as the engine would report them under this top-k
+            batch_k.behaviour_logprobs, _ = completion_logprobs(
+                policy, batch.prompt_ids, [ids[:n] for ids, n in zip(batch.completion_ids.tolist(),
+                                                                     batch.mask.sum(1).tolist())],
+                SamplingView(1.0, top_k=top_k), num_cols=batch.mask.shape[1])
+        metrics = trainer.train_on(batch_k)
+        return metrics["kl/ref"], torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    kl_full, grad_full = kl_and_grad(0)
+    kl_top2, grad_top2 = kl_and_grad(2)
+    assert kl_full > 0.05
+    assert kl_top2 == pytest.approx(kl_full, rel=1e-5)
+    torch.testing.assert_close(grad_top2, grad_full, rtol=1e-4, atol=1e-7)

@@ -131,7 +131,9 @@ class AlgorithmSection(Section):
     loss_agg: str = Field("token_mean", description="How per-token losses become a scalar, by name.")
     clip_low: float = Field(0.2, ge=0, description="PPO clip range below 1 (ratio >= 1 - clip_low).")
     clip_high: float = Field(0.2, ge=0, description="PPO clip range above 1 (ratio <= 1 + clip_high).")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term; 0 disables.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term; 0 disables. "
+                           "The KL compares the policy and reference at the sampling temperature, without "
+                           "top-k/top-p.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the loss term.")
     epochs_per_batch: int = Field(1, ge=1, description="Optimizer passes over each rollout batch.")
     correction: str = Field("none", description="Off-policy correction (tis_token, tis_seq, mis_token, "

@@ -29,7 +29,7 @@ from tether.algorithms.policy_loss import approx_proximal_logprobs
 from tether.algorithms.registry import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tether.training.batch import RolloutBatch, split_by_tokens
 from tether.training.optim import clipped_step, warn_skipped
-from tether.training.scoring import SamplingView, completion_logprobs
+from tether.training.scoring import SamplingView, completion_logprobs_under
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +120,9 @@ class PolicyTrainer:
         self.proximal = PROXIMAL_MODES[settings.proximal]
         if settings.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
+        # The KL to the reference compares the unfiltered distributions at the sampling temperature
+        # (as verl and OpenRLHF do); None where that is the sampling view itself.
+        self.kl_view = SamplingView(sampling.temperature) if sampling.is_filtered else None
         self.num_optimizer_steps = 0
         self.num_skipped_steps = 0  # steps whose gradient norm was not finite (``clipped_step``)
 
@@ -128,20 +131,21 @@ class PolicyTrainer:
                                share_prompts=self.settings.share_prompts)
 
     @torch.no_grad()
-    def _score_all(self, model: torch.nn.Module, batch: RolloutBatch, chunks: list[list[int]]) -> torch.Tensor:
+    def _score_all(self, model: torch.nn.Module, batch: RolloutBatch, chunks: list[list[int]],
+                   view: SamplingView | None = None) -> torch.Tensor:
         out = torch.zeros_like(batch.behaviour_logprobs)  # [B, T]
         for rows in chunks:
-            logp, _ = self._logprobs(model, batch, rows)
+            (logp,), _ = self._logprobs(model, batch, rows, [view or self.sampling])
             out[rows] = logp
         return out
 
-    def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, rows: list[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, rows: list[int], views: list[SamplingView]
+                  ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         lens = batch.mask[rows].sum(dim=1).tolist()  # one host sync, not one per row
         completions = [ids[:n] for ids, n in zip(batch.completion_ids[rows].tolist(), lens)]
-        return completion_logprobs(model, [batch.prompt_ids[r] for r in rows], completions, self.sampling,
-                                   num_cols=batch.mask.shape[1], with_entropy=model is self.model,
-                                   share_prompts=self.settings.share_prompts)
+        return completion_logprobs_under(model, [batch.prompt_ids[r] for r in rows], completions, views,
+                                         num_cols=batch.mask.shape[1], with_entropy=model is self.model,
+                                         share_prompts=self.settings.share_prompts)
 
     def train_on(self, batch: RolloutBatch, policy_version: int | None = None) -> dict[str, float]:
         """Train on one batch; returns the step's metrics (losses, KL, entropy, grad norm, mismatch).
@@ -157,7 +161,7 @@ class PolicyTrainer:
         # aggregation then runs over the batch's kept tokens, so the keep mask is needed for the
         # whole batch before the first micro-batch's backward (``_batch_correction``).
         is_masking = bool(getattr(self.correct, "drops_tokens", False))
-        logp_ref = self._score_all(self.ref_model, batch, chunks) if s.kl_coef > 0 else None
+        logp_ref = self._score_all(self.ref_model, batch, chunks, self.kl_view) if s.kl_coef > 0 else None
         # The proximal policy: pre-update weights. One epoch never changes them before the loss is
         # built, so the current log-probs (detached) are exact and the extra forward is skipped.
         is_rescored = (s.epochs_per_batch > 1 or is_masking) and self.proximal.is_pre_update
@@ -217,7 +221,8 @@ class PolicyTrainer:
         s = self.settings
         index = torch.tensor(rows)
         mask = batch.mask[index]  # [b, T]
-        logp, entropy = self._logprobs(self.model, batch, rows)  # [b, T] with grad
+        views = [self.sampling] if self.kl_view is None or logp_ref_all is None else [self.sampling, self.kl_view]
+        (logp, *logp_kl), entropy = self._logprobs(self.model, batch, rows, views)  # [b, T] with grad
         logp_behav = batch.behaviour_logprobs[index]
         logp_old = self.proximal.logprobs(logp, None if logp_old_all is None else logp_old_all[index], logp_behav,
                                  batch.versions[index], version, epoch / s.epochs_per_batch)
@@ -234,10 +239,14 @@ class PolicyTrainer:
             clip_high=s.clip_high, is_weights=is_weights)
         kl_tokens = torch.zeros_like(logp)
         if logp_ref_all is not None:
-            # Tokens outside either policy's top-k/top-p set (-inf) add no KL term (nor NaN).
+            # Both under ``kl_view`` (temperature only): under top-k/top-p a token outside the
+            # reference's kept set has log-prob -inf there, and the KL a drifted policy owes would
+            # vanish exactly where it drifted furthest. (A -inf left, at a temperature whose
+            # logits underflow, adds no term rather than NaN.)
+            logp_pol = logp_kl[0] if logp_kl else logp
             logp_ref = logp_ref_all[index]
-            kl_mask = mask & torch.isfinite(logp.detach()) & torch.isfinite(logp_ref)
-            kl = self.kl(torch.where(kl_mask, logp, 0.0), torch.where(kl_mask, logp_ref, 0.0))
+            kl_mask = mask & torch.isfinite(logp_pol.detach()) & torch.isfinite(logp_ref)
+            kl = self.kl(torch.where(kl_mask, logp_pol, 0.0), torch.where(kl_mask, logp_ref, 0.0))
             kl_tokens = torch.where(kl_mask, kl, 0.0)
             loss_tokens = loss_tokens + s.kl_coef * kl_tokens
         w = weights[index]

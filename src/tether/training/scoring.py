@@ -32,6 +32,11 @@ class SamplingView:
     top_k: int = 0
     top_p: float = 1.0
 
+    @property
+    def is_filtered(self) -> bool:
+        """Top-k or top-p cut the distribution: tokens outside the kept set have probability 0."""
+        return self.top_k > 0 or self.top_p < 1.0
+
 
 @dataclass(slots=True)
 class PackedSequences:
@@ -120,6 +125,17 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: list[list[int]], com
     Differentiable when called with grad enabled. ``num_cols`` fixes T (default: longest completion).
     ``share_prompts``: rows with the same prompt (a GRPO group) share one pass over it; same result.
     """
+    (logp,), entropy = completion_logprobs_under(model, prompt_ids, completion_ids, [sampling], num_cols=num_cols,
+                                                 with_entropy=with_entropy, share_prompts=share_prompts)
+    return logp, entropy
+
+
+def completion_logprobs_under(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                              views: list[SamplingView], *, num_cols: int | None = None,
+                              with_entropy: bool = False, share_prompts: bool = True
+                              ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """``completion_logprobs`` under each of ``views`` from one forward (the policy's log-probs as
+    sampled, and unfiltered ones for its KL to the reference); entropies under ``views[0]``."""
     windows = sliding_window_args(model.config)
     shared = shared_prompts(prompt_ids) if share_prompts else None
     if shared is not None and len(shared[0]) < len(prompt_ids):
@@ -128,16 +144,18 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: list[list[int]], com
         packed = pack_sequences(prompt_ids, completion_ids, windows)
     hidden = model(packed.input_ids, packed.positions, packed.attention)  # [1, N, H]
     logits = model.compute_logits(hidden[0, packed.predict_index])  # [M, V]
-    token_logp = gather_token_logprobs(logits, packed.targets, sampling.temperature, sampling.top_k,
-                                       sampling.top_p)  # [M] fp32
     num_rows = len(prompt_ids)
     num_cols = num_cols if num_cols is not None else max((len(c) for c in completion_ids), default=0)
-    out = token_logp.new_zeros(num_rows, num_cols)
-    out = out.index_put((packed.row_index, packed.col_index), token_logp)
+    outs = []
+    for view in views:
+        token_logp = gather_token_logprobs(logits, packed.targets, view.temperature, view.top_k,
+                                           view.top_p)  # [M] fp32
+        out = token_logp.new_zeros(num_rows, num_cols)
+        outs.append(out.index_put((packed.row_index, packed.col_index), token_logp))
     entropy = None
     if with_entropy:
         with torch.no_grad():  # entropy is a metric here, not a loss term
-            scaled = logits.detach().float() / (sampling.temperature or 1.0)
+            scaled = logits.detach().float() / (views[0].temperature or 1.0)
             ent = entropy_from_logits(scaled)
         entropy = ent.new_zeros(num_rows, num_cols).index_put((packed.row_index, packed.col_index), ent)
-    return out, entropy
+    return outs, entropy
