@@ -473,6 +473,12 @@ def test_corrections_that_would_do_nothing_or_fail_at_the_first_step_are_refused
     assert expected in config_error(overrides=overrides)
 
 
+def test_float16_training_without_loss_scaling_is_refused():
+    """fp16 gradients of a 32k vocabulary flush to 0 (92% of the embedding's) without loss scaling."""
+    assert "float16 training needs loss scaling" in config_error(overrides=["model.dtype=float16"])
+    assert load_config(None, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"
+
+
 def test_errors_in_override_values_say_command_line_not_the_file(tmp_path):
     path = write(tmp_path, "trainer:\n  lr: 1e-4\n")
     assert config_error(path, ["rollout.max_staleness=-1"]) == (

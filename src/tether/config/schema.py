@@ -76,9 +76,18 @@ class ModelSection(Section):
     scratch: ScratchModelConfig = Field(default_factory=ScratchModelConfig,
                                         description="Shape of a model built from scratch.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype for training and generation. bfloat16/float16: the "
-        "optimizer keeps fp32 master weights and steps on them (mixed precision); the model and the "
-        "engine run in this dtype.")
+        "float32", description="Parameter dtype for training and generation. bfloat16: the optimizer keeps "
+        "fp32 master weights and steps on them (mixed precision); the model and the engine run in this "
+        "dtype. float16 is refused for training (no loss scaling yet: small gradients would flush to 0); "
+        "`tether generate --dtype float16` serves fp16.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _trainable_dtype(cls, dtype: str) -> str:
+        if dtype == "float16":
+            raise ValueError("float16 training needs loss scaling, which tether does not have yet (fp16 gradients "
+                             "of a large vocabulary flush to 0); use bfloat16")
+        return dtype
 
 
 class DataSection(Section):
