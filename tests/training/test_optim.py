@@ -97,14 +97,14 @@ def test_a_non_finite_gradient_skips_the_step_and_leaves_weights_and_moments_as_
     for p in params:
         p.grad = torch.ones_like(p)
     params[1].grad[5] = bad
-    norm, stepped = clipped_step(optimizer, params, max_norm=1.0)
+    norm, stepped = clipped_step(optimizer, max_norm=1.0)
     assert not stepped and not norm < float("inf")  # nan or inf
     assert all(p.grad is None for p in params)
     assert all(torch.equal(a, b) for a, b in zip(params, weights))
     torch.testing.assert_close(optimizer.state_dict(), state, rtol=0, atol=0)
     for p in params:
         p.grad = torch.ones_like(p)
-    norm, stepped = clipped_step(optimizer, params, max_norm=1.0)
+    norm, stepped = clipped_step(optimizer, max_norm=1.0)
     assert stepped and norm == pytest.approx(sum(p.numel() for p in params) ** 0.5, rel=1e-2 if bf16 else 1e-6)
     assert all(not torch.equal(a, b) for a, b in zip(params, weights))
 
@@ -116,7 +116,7 @@ def test_a_large_finite_gradient_norm_is_clipped_in_every_dtype(dtype) -> None:
     optimizer = build_optimizer([param], lr=1e-2)
     param.grad = torch.full_like(param, 2e4)  # 19,968 in bf16
     expected = 4 * param.grad[0, 0].item()
-    norm, stepped = clipped_step(optimizer, [param], max_norm=1.0)
+    norm, stepped = clipped_step(optimizer, max_norm=1.0)
     assert stepped and norm == pytest.approx(expected) and bool((param != 0).all())
     param.grad = torch.full_like(param, 2e4)
     clip_and_norm([param], max_norm=1.0)
@@ -127,3 +127,18 @@ def test_an_unknown_schedule_is_refused_when_built_even_with_warm_up() -> None:
     optimizer = build_optimizer(_params(), lr=1e-3)
     with pytest.raises(ValueError, match="unknown schedule 'cosin'; use constant, linear, cosine"):
         build_scheduler(optimizer, warmup_steps=3, max_steps=10, schedule="cosin")
+
+
+def test_bf16_gradients_of_micro_batches_add_up_in_fp32_on_the_masters() -> None:
+    """1 + 2**-9 rounds to 1 in bf16: summed in the parameter's dtype, two micro-batches of 2**-9
+    after one of 1 would vanish; on the fp32 masters they add up exactly."""
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    optimizer = build_optimizer([param], lr=1e-2)
+    for scale in (1.0, 2**-9, 2**-9):
+        (param * scale).sum().backward()
+    assert param.grad is None  # moved to the master by the hook
+    [master] = optimizer.param_groups[0]["params"] + optimizer.param_groups[1]["params"]
+    assert master.dtype == torch.float32 and torch.equal(master.grad, torch.full((4,), 1 + 2 * 2**-9))
+    norm, stepped = clipped_step(optimizer, max_norm=0.0)
+    assert stepped and norm == pytest.approx(2 * (1 + 2 * 2**-9))
+    assert bool((param != 0).all()) and torch.equal(param, master.to(torch.bfloat16))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Iterable
@@ -34,14 +35,30 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, weight_deca
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+@torch.no_grad()
+def _into_master(param: torch.Tensor, master: torch.Tensor) -> None:
+    """Adds a low-precision parameter's gradient into its fp32 master's and clears it."""
+    if param.grad is None:
+        return
+    if master.grad is None:
+        master.grad = param.grad.to(torch.float32)
+    else:
+        master.grad.add_(param.grad)
+    param.grad = None
+
+
 class MasterWeightAdamW(torch.optim.AdamW):
     """AdamW over fp32 master copies of low-precision parameters (mixed-precision training).
 
     The model keeps its bf16/fp16 parameters (forward, backward and the engine's weight sync use
-    them); this optimizer holds an fp32 copy of each, steps on it with the gradient cast to fp32,
-    and copies the result back, rounded, into the model's parameter. fp32 parameters are stepped
-    directly. ``zero_grad`` clears the model's gradients; the masters are saved in
-    ``state_dict()["master_params"]`` so that a restored optimizer continues from the fp32 values.
+    them); this optimizer holds an fp32 copy of each, steps on it, and copies the result back,
+    rounded, into the model's parameter. fp32 parameters are stepped directly. Gradients accumulate
+    in fp32 on the masters: a hook moves each backward's low-precision gradient into its master's
+    (``master.grad``, the parameter's own ``grad`` left None), so micro-batches add up in fp32, as
+    Megatron's main_grad does, instead of rounding the running sum to bf16 at every micro-batch
+    (relative error 0.7% in one micro-batch, 2% in 256). Clip and read gradients through the
+    optimizer's parameters (``clipped_step`` does). ``zero_grad`` clears both; the masters are
+    saved in ``state_dict()["master_params"]`` so that a restored optimizer continues from the fp32 values.
     """
 
     def __init__(self, groups: list[dict], **kwargs) -> None:
@@ -54,6 +71,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
                     master = p.detach().to(torch.float32).clone()
                     self._pairs.append((p, master))
                     masters.append(master)
+                    p.register_post_accumulate_grad_hook(functools.partial(_into_master, master=master))
                 else:
                     masters.append(p)
             master_groups.append({**group, "params": masters})
@@ -63,13 +81,18 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def step(self, closure=None):  # noqa: ANN001 (torch's signature)
         if closure is not None:
             raise ValueError("MasterWeightAdamW.step takes no closure")
-        for param, master in self._pairs:
-            master.grad = None if param.grad is None else param.grad.to(torch.float32)
+        self.collect_grads()
         super().step()
         for param, master in self._pairs:
             param.copy_(master)
             master.grad = None
         return None
+
+    def collect_grads(self) -> None:
+        """Moves gradients set on the model's parameters by hand (not by a backward, whose hook
+        moved them already) into the masters."""
+        for param, master in self._pairs:
+            _into_master(param, master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -151,14 +174,17 @@ def clip_and_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> floa
     return float(norm)  # host sync: once per optimizer step
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
-                 max_norm: float) -> tuple[float, bool]:
-    """Clips the global gradient norm and steps ``optimizer``: (the norm before clipping, stepped).
+def clipped_step(optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[float, bool]:
+    """Clips the global gradient norm of ``optimizer``'s parameters (``MasterWeightAdamW``'s fp32
+    masters, where the gradients of low-precision parameters accumulate) and steps it: (the norm
+    before clipping, stepped).
 
     A norm that is not finite (a NaN or inf in the loss or in a gradient) skips the step: the
     gradients are dropped and the weights and the optimizer's moments stay as they were, as verl
     does, instead of writing NaN into every weight and ending the run's learning for good."""
-    norm = clip_and_norm(params, max_norm)
+    if isinstance(optimizer, MasterWeightAdamW):
+        optimizer.collect_grads()
+    norm = clip_and_norm([p for group in optimizer.param_groups for p in group["params"]], max_norm)
     if not math.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         return norm, False

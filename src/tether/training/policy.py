@@ -181,7 +181,7 @@ class PolicyTrainer:
                      for rows in chunks]
             if epoch == 0:  # the batch as sampled, against the trainer's pre-update weights
                 mismatch = self._mismatch(batch, chunks, [inputs for _, inputs in parts], version)
-            grad_norm, stepped = clipped_step(self.optimizer, self.model.parameters(), s.grad_clip)
+            grad_norm, stepped = clipped_step(self.optimizer, s.grad_clip)
             self.num_optimizer_steps += stepped
             if not stepped:
                 if not self.num_skipped_steps:

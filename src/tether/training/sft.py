@@ -52,7 +52,7 @@ class SFTTrainer:
             nll, _ = packed_nll(self.model, batch)
             (nll / max(num_targets, 1)).backward()
             total += nll.item()
-        grad_norm, stepped = clipped_step(self.optimizer, self.model.parameters(), self.grad_clip)
+        grad_norm, stepped = clipped_step(self.optimizer, self.grad_clip)
         if not stepped:
             if not self.num_skipped_steps:
                 warn_skipped(grad_norm, "sft")
