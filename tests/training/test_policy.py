@@ -368,3 +368,17 @@ def test_kl_to_the_reference_compares_unfiltered_distributions_under_top_k(model
     assert kl_full > 0.05
     assert kl_top2 == pytest.approx(kl_full, rel=1e-5)
     torch.testing.assert_close(grad_top2, grad_full, rtol=1e-4, atol=1e-7)
+
+
+def test_advantage_metrics_weigh_each_sample_by_its_tokens(model_dir):
+    model = copy.deepcopy(load_model(model_dir))
+    optimizer, scheduler = _optimizer_and_scheduler(model)
+    trainer = PolicyTrainer(model, optimizer, scheduler, PolicyLossSettings(), SamplingView(1.0))
+    batch = _batch(model)
+    batch.advantages = torch.tensor([1.0, -1.0, 0.0, 0.0, 2.0, 0.0, 0.0, -2.0])
+    metrics = trainer.train_on(batch)
+    lengths = batch.mask.sum(dim=1).double()
+    mean = float((batch.advantages.double() * lengths).sum() / lengths.sum())
+    std = float((((batch.advantages.double() - mean) ** 2 * lengths).sum() / lengths.sum()).sqrt())
+    assert metrics["advantage/mean"] == pytest.approx(mean) and metrics["advantage/std"] == pytest.approx(std)
+    assert (metrics["advantage/max"], metrics["advantage/min"], metrics["advantage/zero_frac"]) == (2.0, -2.0, 0.5)

@@ -191,6 +191,7 @@ class PolicyTrainer:
             totals = {**_merge([stats for stats, _ in parts]), **mismatch}
             totals["grad_norm"] = grad_norm
         totals["optim/skipped_steps"] = num_skipped
+        totals.update(_advantage_metrics(batch))
         totals["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this batch's steps used
         if num_skipped < s.epochs_per_batch:  # the schedule counts updates made (as DeepSpeed's skips)
             self.scheduler.step()
@@ -323,3 +324,19 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
             count = "_kept" if key.startswith("ppo/") else "_tokens"
             merged[key] = sum(p[key] * p[count] for p in parts) / counts[count]
     return merged
+
+
+def _advantage_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """``advantage/*`` over the batch's completion tokens (as verl's ``critic/advantages/*``: a
+    sample weighs its length), and the share of samples whose advantage is 0 (a group with no
+    signal, under a group baseline)."""
+    lengths = batch.mask.sum(dim=1).float()  # [B]
+    adv = batch.advantages.float()  # [B]
+    num_tokens = float(lengths.sum())
+    if not num_tokens:
+        return {}
+    mean = float((adv * lengths).sum()) / num_tokens
+    var = float(((adv - mean) ** 2 * lengths).sum()) / num_tokens
+    has_tokens = lengths > 0
+    return {"advantage/mean": mean, "advantage/std": var ** 0.5, "advantage/max": float(adv[has_tokens].max()),
+            "advantage/min": float(adv[has_tokens].min()), "advantage/zero_frac": float((adv == 0).float().mean())}
