@@ -136,6 +136,22 @@ def test_missing_weights_file(checkpoint):
     assert_one_line_error(checkpoint, "model.safetensors", "found")
 
 
+def test_pickled_weights_only_say_how_to_convert(checkpoint):
+    (checkpoint / "model.safetensors").rename(checkpoint / "pytorch_model.bin")
+    assert_one_line_error(checkpoint, "pytorch_model.bin holds pickled weights", "save_pretrained")
+
+
+def test_a_tied_checkpoint_that_stored_only_the_head_loads_it_as_the_embedding(tmp_path):
+    """transformers ties either way round; the logits are the reference's."""
+    path = make_hf_checkpoint(tmp_path / "ckpt", "qwen2", tie=True, with_tokenizer=False)
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    rewrite_weights(path, lambda t: t.update({"lm_head.weight": t.pop("model.embed_tokens.weight")}))
+    model = load_model(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    input_ids = torch.tensor([[1, 5, 9, 13, 2]])
+    torch.testing.assert_close(logits_of(model, input_ids), logits_of(reference, input_ids))
+
+
 def rewrite_weights(checkpoint, edit):
     tensors = load_file(str(checkpoint / "model.safetensors"))
     edit(tensors)

@@ -63,7 +63,11 @@ def _weight_files(directory: Path) -> tuple[Path, dict[str, Path]]:
         except Exception as error:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"{single}: cannot read safetensors ({type(error).__name__})") from None
     if not index_path.is_file():
-        raise CheckpointError(f"{directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
+        pickled = [name for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+                   if (directory / name).is_file()]
+        hint = (f" ({pickled[0]} holds pickled weights, which tether does not load: convert with transformers, "
+                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir))") if pickled else ""
+        raise CheckpointError(f"{directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found{hint}")
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as error:
@@ -139,7 +143,9 @@ def load_model(
         with torch.device("meta"):
             model = Decoder(config)
     if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # the embedding is the head; a saved copy is redundant
+        head = tensors.pop("lm_head.weight", None)  # the embedding is the head; a saved copy is redundant
+        if "model.embed_tokens.weight" not in tensors and head is not None:
+            tensors["model.embed_tokens.weight"] = head  # a tied checkpoint that stored the head alone
         expected.pop("lm_head.weight")
     missing = [name for name in expected if name not in tensors]
     if missing:
