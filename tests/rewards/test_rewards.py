@@ -277,11 +277,32 @@ class _FloatRaises(float):
         raise RuntimeError("no repr either")
 
 
+def test_none_means_the_reward_does_not_apply_to_that_sample_as_in_trl():
+    """A mixture of tasks: each reward returns None for the other task's rows. No error; the sample's
+    total is the applicable rewards' sum; each reward's mean is over the samples it applies to."""
+    def math_reward(prompt, completion, task="", **fields):
+        return float(completion.strip() == "2") if task == "math" else None
+
+    def judge(prompt, completion, task="", **fields):
+        return {"style": 0.5, "safe": 1.0} if task == "chat" else None
+
+    computer = RewardComputer([WeightedReward("math", math_reward), WeightedReward("judge", judge, 2.0)])
+    rows = [{"task": "chat"}, {"task": "math"}, {"task": "chat"}]  # judge's sub-scores unknown at row 1
+    result = computer.score(PROMPTS, ["2", "2", "x"], rows)
+    assert result.totals == [3.0, 1.0, 3.0]
+    metrics = result.metrics()
+    assert metrics["reward/errors"] == 0.0 and result.first_error is None
+    assert metrics["reward/math/mean"] == 1.0 and metrics["reward/judge/mean"] == 1.5
+    assert metrics["reward/judge/style/mean"] == 0.5 and metrics["reward/judge/safe/mean"] == 1.0
+    assert math.isnan(result.components["judge/style"][1])
+    nothing = computer.score(PROMPTS[:1], ["2"], [{"task": "chat"}]).metrics()
+    assert math.isnan(nothing["reward/math/mean"]) and nothing["reward/judge/mean"] == 1.5
+
+
 @pytest.mark.parametrize(("bad_value", "fragment"), [
     (ValueError("cannot parse"), "ValueError: cannot parse"),
     (SystemExit(3), "SystemExit: 3"),  # model-written code run by a code reward calls exit()
     (asyncio.CancelledError("judge call cancelled"), "CancelledError: judge call cancelled"),  # an async judge
-    (None, "returned None"),
     (float("nan"), "returned nan"),
     (float("inf"), "returned inf"),
     ("1.0", "returned '1.0'"),

@@ -30,7 +30,7 @@ class WeightedReward:
 @dataclass(slots=True)
 class RewardResult:
     totals: list[float]  # [N] weighted sum per sample
-    components: dict[str, list[float]]  # name -> [N] unweighted scores (sub-scores as name/key)
+    components: dict[str, list[float]]  # name -> [N] unweighted scores (sub-scores as name/key); NaN: None
     num_errors: dict[str, int] = field(default_factory=dict)
     first_errors: dict[str, str] = field(default_factory=dict)  # reward name -> its first failure's message
 
@@ -64,7 +64,8 @@ class RewardResult:
             "reward/errors": float(sum(self.num_errors.values())),
         }
         for name, scores in self.components.items():
-            out[f"reward/{name}/mean"] = statistics.fmean(scores) if scores else 0.0
+            applicable = [x for x in scores if not math.isnan(x)]  # NaN: the function returned None
+            out[f"reward/{name}/mean"] = statistics.fmean(applicable) if applicable else math.nan
         for name, count in self.num_errors.items():
             out[f"reward/{name}/errors"] = float(count)
         return out
@@ -85,8 +86,12 @@ class RewardComputer:
         result = RewardResult(totals=[0.0] * num, components={})
         for reward in self.rewards:
             result.num_errors[reward.name] = 0
+            not_applicable: list[int] = []  # samples it returned None for
             for i in range(num):
                 score, parts, error = _call(reward.fn, prompts[i], completions[i], fields[i])
+                if score is None:  # does not apply here: adds nothing, and its means leave it out
+                    not_applicable.append(i)
+                    continue
                 if error is not None:
                     result.num_errors[reward.name] += 1
                     result.first_errors.setdefault(reward.name, f"{reward.name}: {error}")
@@ -102,14 +107,18 @@ class RewardComputer:
                     weighted = 0.0
                 result.totals[i] += weighted
             for key in (None, *self._keys[reward.name]):  # failed samples: 0 in each
-                result.components.setdefault(reward.name if key is None else f"{reward.name}/{key}", [0.0] * num)
+                scores = result.components.setdefault(reward.name if key is None else f"{reward.name}/{key}",
+                                                      [0.0] * num)
+                for i in not_applicable:
+                    scores[i] = math.nan
         return result
 
 
 
 def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
-          ) -> tuple[float, dict[str, float], str | None]:
-    """Returns (score, named parts, error); a failure scores 0.0."""
+          ) -> tuple[float | None, dict[str, float], str | None]:
+    """Returns (score, named parts, error); a failure scores 0.0; ``None`` (TRL's convention for
+    a reward that does not apply to this sample, one task's reward in a mixture) scores None."""
     # A dataset column named like a positional argument must not collide with it. Copies: the row and
     # a chat prompt are the dataset's own, shared by every sample of every epoch, and a reward that
     # appends to them (a judge building its messages) would change them for all later calls.
@@ -117,6 +126,8 @@ def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
     prompt = _private(prompt)  # a string is its own copy
     try:
         value = fn(prompt, completion, **fields)
+        if value is None:
+            return None, {}, None
         if isinstance(value, dict):
             if not value:
                 return 0.0, {}, "returned no sub-scores ({})"
