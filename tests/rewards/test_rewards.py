@@ -306,7 +306,7 @@ def test_none_means_the_reward_does_not_apply_to_that_sample_as_in_trl():
     (float("nan"), "returned nan"),
     (float("inf"), "returned inf"),
     ("1.0", "returned '1.0'"),
-    ([1.0], "returned [1.0]"),
+    ([1.0], "returned [1.0]: a reward is called once per sample"),
     ({"format": 1.0, "correct": "yes"}, "sub-score 'correct' is not a finite number"),
     ({"format": float("nan")}, "sub-score 'format'"),
     # Finite in Python, but its square overflows the float32 advantages (one NaN step ruins the weights)

@@ -147,6 +147,9 @@ def _call(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]
                 return 0.0, {}, f"its sub-scores sum to {total:g}, beyond +-{MAX_ABS_REWARD:g}"
             return total, parts, None
         number = _as_number(value)
+        if number is None and isinstance(value, (list, tuple)):
+            return 0.0, {}, (f"returned {_repr(value)}: a reward is called once per sample, (prompt, completion, "
+                             "**fields) -> float (a list is TRL's batched signature)")
         if number is None:
             return 0.0, {}, f"returned {_repr(value)}, not a finite number within +-{MAX_ABS_REWARD:g}"
         return number, {}, None
