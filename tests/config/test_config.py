@@ -473,6 +473,14 @@ def test_corrections_that_would_do_nothing_or_fail_at_the_first_step_are_refused
     assert expected in config_error(overrides=overrides)
 
 
+def test_paths_starting_with_a_tilde_are_the_users_home(monkeypatch, tmp_path):
+    """No shell expands `~` in YAML or after `key=`: `data.train: ~/x.jsonl` named a missing file."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_config(None, ["data.train=~/x.jsonl", "init_from=~/ckpt", "logging.run_root=~/runs"])
+    assert (config.data.train, config.init_from) == (str(tmp_path / "x.jsonl"), str(tmp_path / "ckpt"))
+    assert config.logging.run_root == str(tmp_path / "runs")
+
+
 def test_float16_training_without_loss_scaling_is_refused():
     """fp16 gradients of a 32k vocabulary flush to 0 (92% of the embedding's) without loss scaling."""
     assert "float16 training needs loss scaling" in config_error(overrides=["model.dtype=float16"])

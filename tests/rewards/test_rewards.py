@@ -11,6 +11,7 @@ import pytest
 
 from tether.errors import ConfigError
 from tether.rewards import RewardComputer, WeightedReward, exact_match, resolve_reward
+from tether.rewards.compute import RewardResult
 
 PROMPTS = ["1+1=", "2+2=", "3+3="]
 COMPLETIONS = ["2", " 4\n", "7"]
@@ -297,6 +298,13 @@ def test_none_means_the_reward_does_not_apply_to_that_sample_as_in_trl():
     assert math.isnan(result.components["judge/style"][1])
     nothing = computer.score(PROMPTS[:1], ["2"], [{"task": "chat"}]).metrics()
     assert math.isnan(nothing["reward/math/mean"]) and nothing["reward/judge/mean"] == 1.5
+    # Groups scored apart (async mode) and joined: a group scored before the sub-scores were known
+    # leaves its not-applicable samples out of their means too.
+    fresh = RewardComputer([WeightedReward("judge", judge)])
+    parts = [fresh.score(PROMPTS[:2], ["a", "b"], [{"task": "math"}] * 2),
+             fresh.score(PROMPTS[:2], ["a", "b"], [{"task": "chat"}, {"task": "math"}])]
+    joined = RewardResult.concatenate(parts).metrics()
+    assert (joined["reward/judge/style/mean"], joined["reward/judge/mean"]) == (0.5, 1.5)
 
 
 @pytest.mark.parametrize(("bad_value", "fragment"), [

@@ -60,7 +60,7 @@ def test_a_group_the_engine_fails_is_left_out_and_counted(tmp_path, tiny_policy,
     the engine: its group is dropped, counted, reported once; the other groups train."""
     model, tokenizer = tiny_policy
     path = _prompts_file(tmp_path, [*SHORT, "3" * 55])  # 56 tokens + 5 new: 4 blocks > 3
-    config = _config(path, "engine.kv_cache_bytes=14336", "data.num_train=6",
+    config = _config(path, "engine.kv_cache_bytes=14336",
                      "rollout.prompts_per_step=6", "rollout.max_new_tokens=5")
     if mode == "sync":
         result = run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)

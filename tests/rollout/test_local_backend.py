@@ -30,7 +30,7 @@ from tether.training.scoring import SamplingView, completion_logprobs
 
 
 def write_config(tmp_path, rewards: list[str]) -> str:
-    overrides = dict(item.split("=", 1) for item in TINY)
+    overrides = dict(item.split("=", 1) for item in (*TINY, "data.num_train=64"))
     config: dict = {"recipe": "grpo", "trainer": {"max_steps": 4},
                     "rewards": [{"fn": f"{REWARDS}:{r}"} for r in rewards]}
     for key, value in overrides.items():

@@ -142,3 +142,15 @@ def test_bf16_gradients_of_micro_batches_add_up_in_fp32_on_the_masters() -> None
     norm, stepped = clipped_step(optimizer, max_norm=0.0)
     assert stepped and norm == pytest.approx(2 * (1 + 2 * 2**-9))
     assert bool((param != 0).all()) and torch.equal(param, master.to(torch.bfloat16))
+
+
+def test_a_second_optimizer_on_the_same_bf16_model_gets_the_gradients() -> None:
+    """run_sft then run_grpo on one model object build two optimizers: the first one's hook must
+    not keep taking the gradients into masters no one steps."""
+    param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    first = build_optimizer([param], lr=1e-2)
+    second = build_optimizer([param], lr=1e-2)
+    (param * 2.0).sum().backward()
+    norm, stepped = clipped_step(second, max_norm=0.0)
+    assert stepped and norm == pytest.approx(4.0) and bool((param < 1).all())
+    assert all(p.grad is None for group in first.param_groups for p in group["params"])

@@ -8,6 +8,7 @@ and recipes translate the relevant section into plain arguments.
 
 from __future__ import annotations
 
+import os
 from pathlib import PurePath
 from typing import Any, Literal, get_args
 
@@ -30,6 +31,11 @@ def _types_in(annotation: object) -> set[object]:
     for arg in get_args(annotation):
         found |= _types_in(arg)
     return found
+
+
+def _home_expanded(value: object) -> object:
+    """``~/data.jsonl`` as the user's home: no shell expands a ``~`` in YAML or after ``key=``."""
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
 
 
 class Section(BaseModel):
@@ -70,6 +76,9 @@ class ScratchModelConfig(Section):
 
 
 class ModelSection(Section):
+
+    _expand_home = field_validator("path", mode="before")(
+        classmethod(lambda cls, value: _home_expanded(value)))
     path: str | None = Field(
         None, description="Hugging Face-format model directory (config.json + safetensors + tokenizer). "
         "When empty, a model is built from `model.scratch` with the built-in character tokenizer.")
@@ -91,6 +100,9 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
+
+    _expand_home = field_validator("train", "eval", mode="before")(
+        classmethod(lambda cls, value: _home_expanded(value)))
     @model_validator(mode="before")
     @classmethod
     def _train_file_replaces_the_default_task(cls, values: Any) -> Any:
@@ -292,6 +304,9 @@ class TrainerSection(Section):
 
 
 class LoggingSection(Section):
+
+    _expand_home = field_validator("run_root", mode="before")(
+        classmethod(lambda cls, value: _home_expanded(value)))
     run_root: str = Field("runs", description="Where run directories are created.")
     samples_per_step: int = Field(4, ge=0, description="Samples written to samples.jsonl per step.")
     progress: Literal["auto", "rich", "plain", "none"] = Field(
@@ -323,6 +338,9 @@ class RewardSpec(Section):
 
 
 class ExperimentConfig(Section):
+
+    _expand_home = field_validator("init_from", mode="before")(
+        classmethod(lambda cls, value: _home_expanded(value)))
     name: str = Field("tether", description="Run name; the run directory is <run_root>/<name>-<time>.")
     recipe: Literal["sft", "grpo"] = Field("grpo", description="What `tether train` runs.")
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of every random number generator of the run.")

@@ -45,8 +45,7 @@ class RewardResult:
         scores 0 there; error counts add up; each reward's first error message wins)."""
         totals = [t for r in results for t in r.totals]
         names = list(dict.fromkeys(name for r in results for name in r.components))
-        components = {name: [s for r in results for s in r.components.get(name, [0.0] * len(r.totals))]
-                      for name in names}
+        components = {name: [s for r in results for s in _component_of(r, name)] for name in names}
         num_errors: dict[str, int] = {}
         for r in results:
             for name, count in r.num_errors.items():
@@ -69,6 +68,15 @@ class RewardResult:
         for name, count in self.num_errors.items():
             out[f"reward/{name}/errors"] = float(count)
         return out
+
+
+def _component_of(result: RewardResult, name: str) -> list[float]:
+    """``result``'s scores of component ``name``; one it lacks (a sub-score first seen in a later
+    part) scores 0, or NaN where its function returned None (reward names hold no '/')."""
+    if name in result.components:
+        return result.components[name]
+    own = result.components.get(name.partition("/")[0], [0.0] * len(result.totals))
+    return [math.nan if math.isnan(x) else 0.0 for x in own]
 
 
 class RewardComputer:

@@ -92,7 +92,7 @@ def _import(module_name: str, spec: str) -> Any:
 
 
 def _load_file(path_text: str, spec: str) -> Any:
-    path = Path(path_text)
+    path = Path(path_text).expanduser()
     if not path.is_file():
         raise ConfigError(f"rewards: file not found: {path} ({spec})")
     # A module registered under a name of its own file (two rewards.py in different directories do

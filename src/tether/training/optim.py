@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
@@ -33,6 +34,9 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, weight_deca
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+_MASTER_HOOKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # low-precision parameter -> its hook's handle
 
 
 @torch.no_grad()
@@ -71,7 +75,14 @@ class MasterWeightAdamW(torch.optim.AdamW):
                     master = p.detach().to(torch.float32).clone()
                     self._pairs.append((p, master))
                     masters.append(master)
-                    p.register_post_accumulate_grad_hook(functools.partial(_into_master, master=master))
+                    # One hook per parameter, the newest optimizer's: an earlier optimizer's hook left in
+                    # place would take every gradient into masters no one steps (an SFT run, then a
+                    # GRPO run on the same model object, stepped on nothing).
+                    previous = _MASTER_HOOKS.pop(p, None)
+                    if previous is not None:
+                        previous.remove()
+                    _MASTER_HOOKS[p] = p.register_post_accumulate_grad_hook(
+                        functools.partial(_into_master, master=master))
                 else:
                     masters.append(p)
             master_groups.append({**group, "params": masters})
