@@ -443,8 +443,19 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSettings:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", choices=BENCH_DTYPES, default=d.dtype,
                    help="the model's dtype on every side (the matmul yardstick's too)")
+    shape = p.add_argument_group("model shape (Qwen2; default: the issue's 25-50M parameters, vocabulary 32k)")
+    for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads"):
+        shape.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"({getattr(d, name)})")
     a = p.parse_args(argv)
     s = BenchSettings(**QUICK) if a.quick else d
+    sizes = {name: getattr(a, name) for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads",
+                                                  "num_kv_heads") if getattr(a, name) is not None}
+    if any(value < 1 for value in sizes.values()):
+        p.error(f"model sizes must be >= 1, got {sizes}")
+    s = dataclasses.replace(s, **sizes)
+    if s.hidden_size % s.num_heads or s.num_heads % s.num_kv_heads:
+        p.error(f"--hidden-size ({s.hidden_size}) must divide by --num-heads ({s.num_heads}), and that by "
+                f"--num-kv-heads ({s.num_kv_heads})")
     repeats = a.repeats if a.repeats is not None else s.repeats
     if repeats < 1 or a.threads < 0:
         p.error(f"--repeats must be >= 1 and --threads >= 0, got {repeats}, {a.threads}")

@@ -92,3 +92,17 @@ def test_workload_flops_by_hand() -> None:
     # tokens, attending to 3 + 1 and 3 + 2 keys
     expected = 3 * 2 * layer_params + 2 * 16 * 50 + 2 * token + keys_flops * (4 + 5)
     assert bench.workload_flops(model, workload, settings) == expected
+
+
+def test_engine_bench_takes_another_model_shape() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("engine_throughput_args", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    s = module.parse_args(["--num-layers", "10", "--intermediate-size", "2048"])
+    assert (s.num_layers, s.intermediate_size, s.hidden_size) == (10, 2048, 384)
+    result = subprocess.run([sys.executable, str(BENCH), "--num-heads", "5"], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 2 and "must divide by --num-heads (5)" in result.stderr
