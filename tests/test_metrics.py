@@ -105,3 +105,33 @@ def test_make_progress_is_rich_on_a_tty(monkeypatch):
     assert isinstance(progress, RichProgress)
     progress.update(1, {"loss/sft": 1.0})
     progress.close()
+
+
+def test_a_full_disk_or_a_deleted_run_directory_stops_the_run_in_one_line(tmp_path):
+    import os
+    import shutil
+
+    import pytest
+
+    from tether.errors import RunOutputError
+
+    full = tmp_path / "full"
+    full.mkdir()
+    if os.path.exists("/dev/full"):  # every write to it fails with ENOSPC, as a full disk's
+        (full / "metrics.jsonl").symlink_to("/dev/full")
+        message = r"metrics.jsonl: cannot write \(No space left on device\)$"
+        with pytest.raises(RunOutputError, match=message), MetricsWriter(full) as writer:
+            writer.log(1, {"loss/sft": 1.0})
+    run = tmp_path / "run"
+    writer = MetricsWriter(run)
+    writer.log(1, {"loss/sft": 1.0})
+    shutil.rmtree(run)  # the user's `rm -rf` mid-run: later lines would go nowhere, silently
+    with pytest.raises(RunOutputError, match="metrics.jsonl was deleted while the run wrote it"):
+        writer.log(2, {"loss/sft": 0.5})
+    writer.close()
+
+
+def test_a_last_line_cut_short_is_left_out_when_read_back(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss/sft": 1.0}\n{"step": 2, "loss/s')
+    assert read_metrics(path) == [{"step": 1, "loss/sft": 1.0}]

@@ -38,3 +38,7 @@ class RequestError(TetherError):
 class RolloutStalledError(TetherError, TimeoutError):
     """The rollout side made no progress within its time limit (no group finished, weights not taken):
     the generator is stuck, or a reward function it calls does not return."""
+
+
+class RunOutputError(TetherError):
+    """A run's own files cannot be written (a full disk, the run directory deleted under it)."""

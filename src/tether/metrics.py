@@ -18,12 +18,15 @@ filtered or not yet consumed too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+from tether.errors import RunOutputError
 from tether.progress import Progress
 
 
@@ -54,19 +57,30 @@ class MetricsWriter:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **_jsonable(metrics)}
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
+        self._write(self._metrics, self.metrics_path, json.dumps(record) + "\n")
         if self.progress is not None:
             self.progress.update(step, metrics)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        for sample in samples:
-            self._samples.write(json.dumps({"step": step, **_jsonable(sample)}) + "\n")
-        self._samples.flush()
+        text = "".join(json.dumps({"step": step, **_jsonable(sample)}) + "\n" for sample in samples)
+        self._write(self._samples, self.samples_path, text)
+
+    @staticmethod
+    def _write(file: Any, path: Path, text: str) -> None:
+        """Appends and flushes; a full disk, or the run directory deleted under the run (whose lines
+        would go on into a file no one can read), stops the run with one line."""
+        try:
+            if os.fstat(file.fileno()).st_nlink == 0:
+                raise RunOutputError(f"{path} was deleted while the run wrote it (the run directory removed?)")
+            file.write(text)
+            file.flush()
+        except OSError as error:
+            raise RunOutputError(f"{path}: cannot write ({error.strerror or error})") from None
 
     def close(self) -> None:
-        self._metrics.close()
-        self._samples.close()
+        for file in (self._metrics, self._samples):
+            with contextlib.suppress(OSError):  # a full disk was reported by the write that hit it
+                file.close()
         if self.progress is not None:
             self.progress.close()
 
@@ -78,6 +92,12 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Read a ``metrics.jsonl`` back (tests, plots)."""
+    """Read a ``metrics.jsonl`` back (tests, plots); a last line cut short (a full disk, a kill
+    mid-write) is left out."""
     with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    records = [json.loads(line) for line in lines[:-1]]
+    if lines:
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(lines[-1]))
+    return records

@@ -340,6 +340,25 @@ def test_a_generator_sees_its_trainer_gone():
         zombie.wait()
 
 
+_BLOCKED_GENERATOR = """
+import subprocess, sys, threading, time
+from tether.rollout.generator_process import exit_when_orphaned
+trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+threading.Thread(target=exit_when_orphaned, args=(trainer.pid, 0.1), daemon=True).start()
+threading.Thread(target=trainer.wait, daemon=True).start()  # collected, as a launcher would
+time.sleep(600)  # the main thread stuck in a reward that never returns
+"""
+
+
+def test_a_generator_blocked_in_a_reward_exits_once_its_trainer_is_gone():
+    """The main loop checks for its trainer between engine steps only: blocked in a reward, an
+    orphaned generator lived on, holding its launcher's output pipe open. Its watch thread exits it."""
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _BLOCKED_GENERATOR], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert time.monotonic() - start < 30
+
+
 _CTRL_C_AT_START = """
 import copy, functools, signal, sys, time
 sys.path.insert(0, sys.argv[1])

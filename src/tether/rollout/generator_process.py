@@ -11,6 +11,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -73,6 +74,20 @@ class TrainerWatch:
         return False
 
 
+def exit_when_orphaned(trainer_pid: int, grace_s: float = 1.0) -> None:
+    """A daemon thread's loop: once the trainer is gone, exit the process (after ``grace_s``, in
+    which the main loop stops on its own when it can). The main thread may be blocked where it
+    never checks: a reward that does not return kept an orphaned generator alive for good, holding
+    its launcher's output pipe and its semaphores."""
+    watch = TrainerWatch(trainer_pid)
+    while not watch.is_gone():
+        time.sleep(TrainerWatch.CHECK_S)
+    time.sleep(grace_s)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _is_stopped(stop: Any, trainer: TrainerWatch) -> bool:
     return stop.is_set() or trainer.is_gone()
 
@@ -120,6 +135,9 @@ def run_generator_process(make_worker: Callable[[], GeneratorWorker], weights: S
     False after reporting an error.
     """
     trainer = TrainerWatch(trainer_pid)
+    if trainer_pid > 0:
+        threading.Thread(target=exit_when_orphaned, args=(trainer_pid,), name="tether-trainer-watch",
+                         daemon=True).start()
     if num_threads > 0:
         torch.set_num_threads(num_threads)
     try:
