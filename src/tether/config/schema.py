@@ -76,9 +76,8 @@ class ScratchModelConfig(Section):
 
 
 class ModelSection(Section):
+    _expand_home = field_validator("path", mode="before")(_home_expanded)  # "~/x": the home directory
 
-    _expand_home = field_validator("path", mode="before")(
-        classmethod(lambda cls, value: _home_expanded(value)))
     path: str | None = Field(
         None, description="Hugging Face-format model directory (config.json + safetensors + tokenizer). "
         "When empty, a model is built from `model.scratch` with the built-in character tokenizer.")
@@ -100,9 +99,8 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
+    _expand_home = field_validator("train", "eval", mode="before")(_home_expanded)  # "~/x": home
 
-    _expand_home = field_validator("train", "eval", mode="before")(
-        classmethod(lambda cls, value: _home_expanded(value)))
     @model_validator(mode="before")
     @classmethod
     def _train_file_replaces_the_default_task(cls, values: Any) -> Any:
@@ -304,9 +302,8 @@ class TrainerSection(Section):
 
 
 class LoggingSection(Section):
+    _expand_home = field_validator("run_root", mode="before")(_home_expanded)  # "~/x": the home directory
 
-    _expand_home = field_validator("run_root", mode="before")(
-        classmethod(lambda cls, value: _home_expanded(value)))
     run_root: str = Field("runs", description="Where run directories are created.")
     samples_per_step: int = Field(4, ge=0, description="Samples written to samples.jsonl per step.")
     progress: Literal["auto", "rich", "plain", "none"] = Field(
@@ -338,9 +335,8 @@ class RewardSpec(Section):
 
 
 class ExperimentConfig(Section):
+    _expand_home = field_validator("init_from", mode="before")(_home_expanded)  # "~/x": the home directory
 
-    _expand_home = field_validator("init_from", mode="before")(
-        classmethod(lambda cls, value: _home_expanded(value)))
     name: str = Field("tether", description="Run name; the run directory is <run_root>/<name>-<time>.")
     recipe: Literal["sft", "grpo"] = Field("grpo", description="What `tether train` runs.")
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of every random number generator of the run.")

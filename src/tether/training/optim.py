@@ -59,8 +59,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
     rounded, into the model's parameter. fp32 parameters are stepped directly. Gradients accumulate
     in fp32 on the masters: a hook moves each backward's low-precision gradient into its master's
     (``master.grad``, the parameter's own ``grad`` left None), so micro-batches add up in fp32, as
-    Megatron's main_grad does, instead of rounding the running sum to bf16 at every micro-batch
-    (relative error 0.7% in one micro-batch, 2% in 256). Clip and read gradients through the
+    Megatron's main_grad does; a bf16 running sum, rounded at every micro-batch, drifted from the
+    fp32 gradient by 2% over 256 micro-batches where one batch is 0.7% off. Clip and read gradients through the
     optimizer's parameters (``clipped_step`` does). ``zero_grad`` clears both; the masters are
     saved in ``state_dict()["master_params"]`` so that a restored optimizer continues from the fp32 values.
     """
