@@ -259,7 +259,7 @@ def test_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
 
 
 def test_save_resolved_loads_back_equal(tmp_path):
-    config = load_config(None, ["recipe=sft", "trainer.lr=3e-4", "trainer.betas=[0.8, 0.9]",
+    config = load_config(None, ["trainer.lr=3e-4", "trainer.betas=[0.8, 0.9]",
                                 "data.task_options={num_digits: 2}",
                                 "rewards=[{fn: exact_match, weight: 2}]"])
     path = save_resolved(config, tmp_path)
@@ -356,7 +356,7 @@ def test_create_run_dir_refuses_a_directory_with_other_files(tmp_path):
 def test_a_temperature_too_small_to_divide_the_logits_by_is_rejected():
     assert config_error(overrides=["rollout.temperature=1e-9"]) == (
         "command line: rollout.temperature: must be 0 (greedy) or at least 1e-05, got 1e-09")
-    assert load_config(None, ["recipe=sft", "rollout.temperature=0"]).rollout.temperature == 0.0
+    assert load_config(None, ["algorithm.advantage=reinforce_pp", "rollout.temperature=0"]).rollout.temperature == 0
 
 
 @pytest.mark.parametrize(("value", "expected"), [("true", True), ("false", False), ("auto", "auto")])
@@ -375,14 +375,14 @@ def test_a_run_directorys_config_names_local_files_by_absolute_path(tmp_path, mo
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     (tmp_path / "my_reward.py").write_text("def score(prompt, completion, **fields):\n    return 1.0\n")
-    config = load_config(None, ["recipe=sft", "data.train=data/train.jsonl", "data.eval=some/hub-name",
-                                "rewards=[{fn: my_reward.py:score}, {fn: exact_match}]"])
-    run_dir = create_run_dir(config, out=tmp_path / "run")
-    monkeypatch.chdir(run_dir)
-    saved = load_config(run_dir / "config.yaml")
-    assert saved.data.train == str(tmp_path / "data" / "train.jsonl")
+    sft = load_config(None, ["recipe=sft", "data.train=data/train.jsonl", "data.eval=some/hub-name"])
+    grpo = load_config(None, ["data.train=data/train.jsonl", "rewards=[{fn: my_reward.py:score}, {fn: exact_match}]"])
+    sft_dir, grpo_dir = create_run_dir(sft, out=tmp_path / "sft"), create_run_dir(grpo, out=tmp_path / "grpo")
+    monkeypatch.chdir(sft_dir)
+    saved, saved_grpo = load_config(sft_dir / "config.yaml"), load_config(grpo_dir / "config.yaml")
+    assert saved.data.train == saved_grpo.data.train == str(tmp_path / "data" / "train.jsonl")
     assert saved.data.eval == "some/hub-name"
-    assert [r.fn for r in saved.rewards] == [f"{tmp_path / 'my_reward.py'}:score", "exact_match"]
+    assert [r.fn for r in saved_grpo.rewards] == [f"{tmp_path / 'my_reward.py'}:score", "exact_match"]
 
 
 def test_a_reward_listed_twice_is_refused():
@@ -479,6 +479,17 @@ def test_paths_starting_with_a_tilde_are_the_users_home(monkeypatch, tmp_path):
     config = load_config(None, ["data.train=~/x.jsonl", "init_from=~/ckpt", "logging.run_root=~/runs"])
     assert (config.data.train, config.init_from) == (str(tmp_path / "x.jsonl"), str(tmp_path / "ckpt"))
     assert config.logging.run_root == str(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("override,named", [
+    ("rollout.top_k=20", "rollout.top_k=20"), ("algorithm.kl_coef=0.5", "algorithm.kl_coef=0.5"),
+    ("rewards=[{fn: exact_match}]", "rewards=[{'fn': 'exact_match'"),
+])
+def test_rl_settings_in_an_sft_config_are_refused(override, named):
+    """A GRPO config turned into an SFT one: its sampling, loss and rewards would be ignored."""
+    message = config_error(overrides=["recipe=sft", override])
+    assert message.startswith(f"command line: {named}") and "not read by the sft recipe" in message
+    load_config(None, ["recipe=grpo", override])
 
 
 def test_float16_training_without_loss_scaling_is_refused():

@@ -25,6 +25,8 @@ All reductions stay on the device; the one host sync is the final ``.tolist()``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 MISMATCH_KEYS = (
@@ -89,9 +91,14 @@ def lag0_mismatch_metrics(logp_trainer: torch.Tensor, logp_engine: torch.Tensor,
     with ``is_lag0`` (sampled by the weights the trainer scored them with), and
     ``mismatch/lag0_frac``, their share of the valid tokens. All inputs [B, T]."""
     fresh = mask & is_lag0
-    out = mismatch_metrics(logp_trainer, logp_engine, fresh)
-    return {"mismatch/lag0_k1": out["mismatch/k1"], "mismatch/lag0_k3": out["mismatch/k3"],
-            "mismatch/lag0_frac": float(fresh.sum()) / max(float(mask.sum()), 1.0)}
+    num_fresh = float(fresh.sum())
+    if num_fresh:
+        out = mismatch_metrics(logp_trainer, logp_engine, fresh)
+        k1, k3 = out["mismatch/k1"], out["mismatch/k3"]
+    else:  # nothing to measure: NaN, not a 0 that reads as "no numeric mismatch" in a run's mean
+        k1 = k3 = math.nan
+    return {"mismatch/lag0_k1": k1, "mismatch/lag0_k3": k3,
+            "mismatch/lag0_frac": num_fresh / max(float(mask.sum()), 1.0)}
 
 
 def staleness_metrics(lags: torch.Tensor) -> dict[str, float | dict[int, int]]:

@@ -445,7 +445,24 @@ class ExperimentConfig(Section):
         if self.recipe == "grpo" and self.trainer.batch_size != TrainerSection.model_fields["batch_size"].default:
             raise ValueError(f"trainer.batch_size={self.trainer.batch_size} is not read by the grpo recipe: a step "
                              "trains on rollout.prompts_per_step x rollout.group_size samples")
+        if self.recipe == "sft":  # a GRPO config turned into an SFT one keeps settings SFT never reads
+            for key in ("rollout", "algorithm", "rewards"):
+                default = ExperimentConfig.model_fields[key].get_default(call_default_factory=True)
+                if getattr(self, key) != default:
+                    raise ValueError(f"{_first_difference(key, getattr(self, key), default)} is not read by the sft "
+                                     "recipe (it trains on the data's completions): leave it out")
         if self.trainer.schedule == "constant" and self.trainer.min_lr_ratio > 0:
             raise ValueError(f"trainer.min_lr_ratio={self.trainer.min_lr_ratio} is not read by "
                              "trainer.schedule=constant: set trainer.schedule=cosine or linear to decay to it")
         return self
+
+
+def _first_difference(name: str, value: Any, default: Any) -> str:
+    """``name.key=value`` of the first field where a section (or a list) differs from its default."""
+    if isinstance(value, BaseModel) and isinstance(default, BaseModel):
+        for key in type(value).model_fields:
+            if getattr(value, key) != getattr(default, key):
+                return _first_difference(f"{name}.{key}", getattr(value, key), getattr(default, key))
+    if isinstance(value, list):
+        value = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
+    return f"{name}={value!r}"
