@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 from pathlib import PurePath
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tether.algorithms import ADVANTAGES, AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
+from tether.config.unread import refuse_unread_settings
 from tether.engine.types import MAX_TOP_K, MIN_TEMPERATURE
 from tether.errors import ConfigError
 from tether.rewards.loader import reward_file
@@ -36,6 +37,10 @@ def _types_in(annotation: object) -> set[object]:
 def _home_expanded(value: object) -> object:
     """``~/data.jsonl`` as the user's home: no shell expands a ``~`` in YAML or after ``key=``."""
     return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+
+# A path setting: ``~`` is the user's home (no shell expands one in YAML or after ``key=``).
+HomePath = Annotated[str, BeforeValidator(_home_expanded)]
 
 
 class Section(BaseModel):
@@ -76,9 +81,7 @@ class ScratchModelConfig(Section):
 
 
 class ModelSection(Section):
-    _expand_home = field_validator("path", mode="before")(_home_expanded)  # "~/x": the home directory
-
-    path: str | None = Field(
+    path: HomePath | None = Field(
         None, description="Hugging Face-format model directory (config.json + safetensors + tokenizer). "
         "When empty, a model is built from `model.scratch` with the built-in character tokenizer.")
     scratch: ScratchModelConfig = Field(default_factory=ScratchModelConfig,
@@ -99,8 +102,6 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
-    _expand_home = field_validator("train", "eval", mode="before")(_home_expanded)  # "~/x": home
-
     @model_validator(mode="before")
     @classmethod
     def _train_file_replaces_the_default_task(cls, values: Any) -> Any:
@@ -116,13 +117,13 @@ class DataSection(Section):
                              "set data.task: null to train on data.train")
         return self
 
-    train: str | None = Field(
+    train: HomePath | None = Field(
         None, description="Training data: a JSONL or Parquet file, a `datasets` directory, or a dataset name "
         "(`org/name`) in the local `datasets` cache. "
         "Setting it turns the default `data.task` off. Rows: `prompt` (grpo); `prompt` + `completion`, "
         "`messages` or `text` (sft: the loss is on the completion, a `messages` row's last assistant "
         "message (earlier turns are context), a chat `completion` whole (as TRL), or all of a `text`).")
-    eval: str | None = Field(None, description="Held-out data in the same formats as `data.train`.")
+    eval: HomePath | None = Field(None, description="Held-out data in the same formats as `data.train`.")
     train_split: str = Field("train", description="Split of `data.train` when it is a `datasets` "
                              "dataset with splits.")
     eval_split: str = Field("test", description="Split of `data.eval` when it is a `datasets` dataset "
@@ -302,9 +303,7 @@ class TrainerSection(Section):
 
 
 class LoggingSection(Section):
-    _expand_home = field_validator("run_root", mode="before")(_home_expanded)  # "~/x": the home directory
-
-    run_root: str = Field("runs", description="Where run directories are created.")
+    run_root: HomePath = Field("runs", description="Where run directories are created.")
     samples_per_step: int = Field(4, ge=0, description="Samples written to samples.jsonl per step.")
     progress: Literal["auto", "rich", "plain", "none"] = Field(
         "auto", description="Terminal progress: rich bar on a TTY, plain lines otherwise.")
@@ -335,12 +334,10 @@ class RewardSpec(Section):
 
 
 class ExperimentConfig(Section):
-    _expand_home = field_validator("init_from", mode="before")(_home_expanded)  # "~/x": the home directory
-
     name: str = Field("tether", description="Run name; the run directory is <run_root>/<name>-<time>.")
     recipe: Literal["sft", "grpo"] = Field("grpo", description="What `tether train` runs.")
     seed: int = Field(0, ge=0, lt=2**32, description="Seed of every random number generator of the run.")
-    init_from: str | None = Field(None, description="Start from this checkpoint directory instead of "
+    init_from: HomePath | None = Field(None, description="Start from this checkpoint directory instead of "
                                   "`model.path` (e.g. an SFT run's `final/`).")
     model: ModelSection = Field(default_factory=ModelSection, description="The policy model.")
     data: DataSection = Field(default_factory=DataSection, description="Training and held-out data.")
@@ -419,50 +416,5 @@ class ExperimentConfig(Section):
     @model_validator(mode="after")
     def _settings_not_read_are_refused(self) -> ExperimentConfig:
         """Settings that would be silently ignored are refused, naming the one that is read instead."""
-        if self.data.task is not None and self.data.eval is not None:
-            raise ValueError(f"data.eval={self.data.eval!r} is not read when data.task={self.data.task!r} is set "
-                             "(the task draws its own held-out set: data.num_eval); set one of them")
-        if self.recipe == "grpo" and self.trainer.eval_every > 0:
-            raise ValueError(f"trainer.eval_every={self.trainer.eval_every}: the grpo recipe does not evaluate "
-                             "during training (the sft recipe does); leave it 0")
-        if self.recipe == "sft" and self.trainer.eval_every > 0 and self.data.task is None and self.data.eval is None:
-            raise ValueError(f"trainer.eval_every={self.trainer.eval_every}: there is no held-out data to evaluate "
-                             "on; set data.eval")
-        if self.recipe == "grpo" and self.data.eval is not None:
-            raise ValueError(f"data.eval={self.data.eval!r}: the grpo recipe does not evaluate during training "
-                             "(the sft recipe does); leave it empty")
-        default_len = DataSection.model_fields["max_seq_len"].default
-        if self.recipe == "grpo" and self.data.max_seq_len != default_len:
-            raise ValueError(f"data.max_seq_len={self.data.max_seq_len} is not read by the grpo recipe: its "
-                             "sequences are capped by rollout.max_new_tokens and engine.max_model_len")
-        if self.data.task is None:
-            for key in ("num_train", "num_eval", "task_options"):
-                value, default = getattr(self.data, key), DataSection.model_fields[key].get_default(
-                    call_default_factory=True)
-                if value != default:
-                    raise ValueError(f"data.{key}={value!r} is read by built-in tasks only, not with data.train="
-                                     f"{self.data.train!r}: leave it out (a file is read whole)")
-        if self.recipe == "grpo" and self.trainer.batch_size != TrainerSection.model_fields["batch_size"].default:
-            raise ValueError(f"trainer.batch_size={self.trainer.batch_size} is not read by the grpo recipe: a step "
-                             "trains on rollout.prompts_per_step x rollout.group_size samples")
-        if self.recipe == "sft":  # a GRPO config turned into an SFT one keeps settings SFT never reads
-            for key in ("rollout", "algorithm", "rewards"):
-                default = ExperimentConfig.model_fields[key].get_default(call_default_factory=True)
-                if getattr(self, key) != default:
-                    raise ValueError(f"{_first_difference(key, getattr(self, key), default)} is not read by the sft "
-                                     "recipe (it trains on the data's completions): leave it out")
-        if self.trainer.schedule == "constant" and self.trainer.min_lr_ratio > 0:
-            raise ValueError(f"trainer.min_lr_ratio={self.trainer.min_lr_ratio} is not read by "
-                             "trainer.schedule=constant: set trainer.schedule=cosine or linear to decay to it")
+        refuse_unread_settings(self)
         return self
-
-
-def _first_difference(name: str, value: Any, default: Any) -> str:
-    """``name.key=value`` of the first field where a section (or a list) differs from its default."""
-    if isinstance(value, BaseModel) and isinstance(default, BaseModel):
-        for key in type(value).model_fields:
-            if getattr(value, key) != getattr(default, key):
-                return _first_difference(f"{name}.{key}", getattr(value, key), getattr(default, key))
-    if isinstance(value, list):
-        value = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
-    return f"{name}={value!r}"
