@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -185,26 +186,28 @@ def clip_and_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> floa
     return float(norm)  # host sync: once per optimizer step
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[float, bool]:
+def clipped_step(optimizer: torch.optim.Optimizer, max_norm: float, what: str = "training") -> tuple[float, bool]:
     """Clips the global gradient norm of ``optimizer``'s parameters (``MasterWeightAdamW``'s fp32
     masters, where the gradients of low-precision parameters accumulate) and steps it: (the norm
     before clipping, stepped).
 
     A norm that is not finite (a NaN or inf in the loss or in a gradient) skips the step: the
     gradients are dropped and the weights and the optimizer's moments stay as they were, as verl
-    does, instead of writing NaN into every weight and ending the run's learning for good."""
+    does, instead of writing NaN into every weight and ending the run's learning for good. The
+    first skip of an optimizer is warned on stderr, naming ``what`` it trains."""
     if isinstance(optimizer, MasterWeightAdamW):
         optimizer.collect_grads()
     norm = clip_and_norm([p for group in optimizer.param_groups for p in group["params"]], max_norm)
-    if not math.isfinite(norm):
-        optimizer.zero_grad(set_to_none=True)
-        return norm, False
-    optimizer.step()
-    return norm, True
+    if math.isfinite(norm):
+        optimizer.step()
+        return norm, True
+    optimizer.zero_grad(set_to_none=True)
+    if optimizer not in _WARNED_SKIPS:
+        _WARNED_SKIPS.add(optimizer)
+        print(f"warning: {what}: optimizer step skipped, the gradient norm is {norm} (a NaN or inf in the loss "
+              "or the gradients); the weights are unchanged. Metric optim/skipped_steps counts such steps",
+              file=sys.stderr, flush=True)
+    return norm, False
 
 
-def warn_skipped(norm: float, what: str) -> None:
-    """The one-line warning for the first optimizer step ``clipped_step`` skipped."""
-    print(f"warning: {what}: optimizer step skipped, the gradient norm is {norm} (a NaN or inf in the loss "
-          "or the gradients); the weights are unchanged. Metric optim/skipped_steps counts such steps",
-          file=sys.stderr, flush=True)
+_WARNED_SKIPS: weakref.WeakSet = weakref.WeakSet()  # optimizers whose first skipped step was warned

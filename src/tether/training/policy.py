@@ -28,7 +28,7 @@ from tether.algorithms.mismatch import lag0_mismatch_metrics, mismatch_metrics
 from tether.algorithms.policy_loss import approx_proximal_logprobs
 from tether.algorithms.registry import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES
 from tether.training.batch import RolloutBatch, split_by_tokens
-from tether.training.optim import clipped_step, warn_skipped
+from tether.training.optim import clipped_step
 from tether.training.scoring import SamplingView, completion_logprobs_under
 
 
@@ -123,8 +123,6 @@ class PolicyTrainer:
         # The KL to the reference compares the unfiltered distributions at the sampling temperature
         # (as verl and OpenRLHF do); None where that is the sampling view itself.
         self.kl_view = SamplingView(sampling.temperature) if sampling.is_filtered else None
-        self.num_optimizer_steps = 0
-        self.num_skipped_steps = 0  # steps whose gradient norm was not finite (``clipped_step``)
 
     def _micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
         return split_by_tokens(batch.prompt_ids, batch.completion_lens, self.settings.micro_batch_tokens,
@@ -181,13 +179,8 @@ class PolicyTrainer:
                      for rows in chunks]
             if epoch == 0:  # the batch as sampled, against the trainer's pre-update weights
                 mismatch = self._mismatch(batch, chunks, [inputs for _, inputs in parts], version)
-            grad_norm, stepped = clipped_step(self.optimizer, s.grad_clip)
-            self.num_optimizer_steps += stepped
-            if not stepped:
-                if not self.num_skipped_steps:
-                    warn_skipped(grad_norm, "policy update")
-                self.num_skipped_steps += 1
-                num_skipped += 1
+            grad_norm, stepped = clipped_step(self.optimizer, s.grad_clip, "policy update")
+            num_skipped += not stepped
             totals = {**_merge([stats for stats, _ in parts]), **mismatch}
             totals["grad_norm"] = grad_norm
         totals["optim/skipped_steps"] = num_skipped

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tether.data.batching import PackedBatch, pack_by_token_budget, shift_targets
 from tether.data.tokenize import SFTExample
 from tether.models.attention import PackedAttention, sliding_window_args
-from tether.training.optim import clipped_step, warn_skipped
+from tether.training.optim import clipped_step
 
 
 def packed_nll(model: torch.nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, int]:
@@ -39,7 +39,6 @@ class SFTTrainer:
         self.scheduler = scheduler
         self.micro_batch_tokens = micro_batch_tokens
         self.grad_clip = grad_clip
-        self.num_skipped_steps = 0  # steps whose gradient norm was not finite (``clipped_step``)
 
     def train_step(self, examples: Sequence[SFTExample]) -> dict[str, float]:
         start = time.perf_counter()
@@ -52,11 +51,7 @@ class SFTTrainer:
             nll, _ = packed_nll(self.model, batch)
             (nll / max(num_targets, 1)).backward()
             total += nll.item()
-        grad_norm, stepped = clipped_step(self.optimizer, self.grad_clip)
-        if not stepped:
-            if not self.num_skipped_steps:
-                warn_skipped(grad_norm, "sft")
-            self.num_skipped_steps += 1
+        grad_norm, stepped = clipped_step(self.optimizer, self.grad_clip, "sft")
         lr = self.optimizer.param_groups[0]["lr"]
         if stepped:  # the schedule counts updates made (as DeepSpeed's skips)
             self.scheduler.step()
