@@ -9,6 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.hf_tiny import make_hf_checkpoint
+from tether.data.records import PromptRecord
+from tether.errors import DataError
+from tether.generate import request_params, setting_like_fields
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +91,29 @@ def test_bad_prompt_line_is_one_line_error(model_dir, tmp_path, line, needle):
     assert result.returncode == 2
     assert needle in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("key", "hint"), [
+    ("num_generations", "tether's name is 'n'"),  # TRL: 1 sample instead of 8, silently, before
+    ("max_completion_length", "tether's name is 'max_new_tokens'"),
+    ("max_output_tokens", "tether's name is 'max_new_tokens'"),  # OpenAI's Responses API
+    ("maxTokens", "tether's name is 'max_new_tokens'"), ("topP", "tether's name is 'top_p'"),  # camelCase APIs
+    ("minP", "tether's name is 'min_p'"), ("stopSequences", "tether's name is 'stop'"),
+    ("prompt_token_ids", "prompts are text or chat messages in 'prompt'"),  # vLLM's TokensPrompt
+])
+def test_other_tools_names_for_settings_are_refused(key, hint):
+    record = PromptRecord("x", fields={key: 8}, where="p.jsonl:4")
+    with pytest.raises(DataError, match=f"p.jsonl:4: field '{key}' is not a tether sampling setting"):
+        request_params(record, {"n": 1}, "p.jsonl")
+    with pytest.raises(DataError) as error:
+        request_params(record, {"n": 1}, "p.jsonl")
+    assert hint in str(error.value)
+
+
+def test_fields_that_look_like_settings_are_named_the_rest_are_the_users():
+    records = [PromptRecord("x", fields={"answer": "4", "seed_id": 3, "maxLen": 9, "top_q": 1, "id": 7}),
+               PromptRecord("y", fields={"stop_after": "x", "temperature": 0.5, "topic": "math"})]
+    assert setting_like_fields(records) == ["maxLen", "seed_id", "stop_after", "top_q"]
 
 
 def test_a_chat_prompt_for_a_tokenizer_without_a_template_names_its_line(model_dir, tmp_path):

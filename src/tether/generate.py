@@ -6,8 +6,10 @@ line may override ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``m
 ``n``, and give ``stop`` (or ``stop_strings``: a string or a list of strings, its stop strings in
 place of ``--stop``) and ``stop_token_ids`` (a list of token ids, in addition to the tokenizer's EOS
 and ``--stop-token-id``). Sampling settings named as in other tools (``temp``, ``max_tokens``,
-``repetition_penalty``, ...) are refused with the line and the name, never silently ignored; a null
-field is a setting not given (a table file has every column in every row).
+``repetition_penalty``, camelCase ``topP``, ...) are refused with the line and the name, never silently
+ignored; the line's other fields are its own, and those that look like settings are named in one
+warning. A null field is a setting not given (a table file has every column in every row). ``text``
+is the completion as it reads after its prompt (``completion_text``).
 A line without a ``seed`` samples with its own seed derived from ``--seed`` and its position
 (``SamplingParams.for_request``): two lines with the same prompt give different samples, and the
 run repeats exactly.
@@ -20,6 +22,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ from tether.data.records import PromptRecord
 from tether.data.tokenize import encode_prompt
 from tether.engine.config import EngineConfig
 from tether.engine.engine import LLMEngine
+from tether.engine.sampler import completion_text
 from tether.engine.types import SamplingParams
 from tether.errors import DataError, RequestError, TetherError
 from tether.models.checkpoint import load_model, read_model_config
@@ -56,7 +60,17 @@ FOREIGN_FIELDS = {"temp": "temperature", "max_tokens": "max_new_tokens", "max_co
                   "mirostat_eta": None, "tfs_z": None, "n_probs": None, "min_keep": None, "dry_multiplier": None,
                   "skip_special_tokens": None, "truncate_prompt_tokens": None, "top_logprobs": None,
                   "return_full_text": None, "spaces_between_special_tokens": None, "guided_json": None,
-                  "guided_regex": None, "response_format": None}
+                  "guided_regex": None, "response_format": None,
+                  # TRL, OpenAI's Responses API, Ollama, Llama's reference code, Anthropic, others
+                  "num_generations": "n", "max_completion_length": "max_new_tokens",
+                  "max_output_tokens": "max_new_tokens", "num_predict": "max_new_tokens",
+                  "max_gen_len": "max_new_tokens", "max_tokens_to_sample": "max_new_tokens",
+                  "stop_words": "stop", "stop_sequence": "stop", "stop_ids": "stop_token_ids", "n_samples": "n",
+                  "num_completions": "n", "sampling_seed": "seed",
+                  "prompt_token_ids": None, "input_ids": None}
+# Other fields are the user's own; these look like sampling settings all the same (warned about once).
+_SETTING_LIKE = re.compile(r"^(max|min)_\w*(tokens?|len|length)$|^top_?[a-z]$|^min_?p$|^stop|seed|^temp|penalt"
+                           r"|^num_\w*(samples|generations|sequences|completions|return)")
 # Settings nested under one field, as other tools' request bodies hold them (a mapping with a sampling
 # setting's name in it; any other mapping there is the user's own field): tether reads flat fields.
 NESTED_FIELDS = ("sampling_params", "generation_config", "generation_kwargs", "parameters", "options")
@@ -77,9 +91,11 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
                 name in OVERRIDABLE or name in STOP_FIELDS or name in FOREIGN_FIELDS for name in nested):
             raise DataError(f"{where}: field '{key}' nests sampling settings; tether reads them as fields of the "
                             f"line ({', '.join(OVERRIDABLE)}, stop, stop_token_ids)")
-        if key in FOREIGN_FIELDS:
-            ours = FOREIGN_FIELDS[key]
-            hint = f"tether's name is '{ours}'" if ours else "tether generate has no such setting"
+        snake = _snake_case(key)  # vLLM/OpenAI names in camelCase (Gemini's topP, Bedrock's maxTokens)
+        if snake in FOREIGN_FIELDS or (snake != key and (snake in OVERRIDABLE or snake in STOP_FIELDS)):
+            ours = FOREIGN_FIELDS.get(snake, snake)
+            hint = (f"tether's name is '{ours}'" if ours else "prompts are text or chat messages in 'prompt'"
+                    if "ids" in snake else "tether generate has no such setting")
             raise DataError(f"{where}: field '{key}' is not a tether sampling setting ({hint})")
         close = difflib.get_close_matches(key, [*OVERRIDABLE, *STOP_FIELDS], n=1, cutoff=0.8)
         if key not in OVERRIDABLE and key not in STOP_FIELDS and close:
@@ -114,6 +130,16 @@ def request_params(record: PromptRecord, base: dict[str, Any], where: str) -> Sa
     except ValueError as exc:
         raise DataError(f"{where}: {exc}") from None
     return params if "seed" in fields else params.for_request(record.index)
+
+
+def _snake_case(key: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", key).lower()
+
+
+def setting_like_fields(records: list[PromptRecord]) -> list[str]:
+    """The lines' own fields (not read by ``tether generate``) whose names look like sampling settings."""
+    return sorted({key for r in records for key in r.fields if key not in OVERRIDABLE and key not in STOP_FIELDS
+                   and _SETTING_LIKE.search(_snake_case(key))})
 
 
 def _encode(tokenizer: Any, record: PromptRecord, where: str) -> list[int]:
@@ -156,6 +182,9 @@ def run_generate(args: argparse.Namespace) -> Path:
     except ValueError as exc:
         raise TetherError(f"command line: {exc}") from None
     params = [request_params(r, base, args.prompts) for r in records]
+    if unread := setting_like_fields(records):
+        print(f"warning: {args.prompts}: field(s) {', '.join(repr(k) for k in unread)} are not tether sampling "
+              f"settings and are not read (tether's: {', '.join([*OVERRIDABLE, *STOP_FIELDS])})", file=sys.stderr)
     out = Path(args.output)
     target, is_regular = _output_target(out)
     partial = target.with_name(target.name + ".partial") if is_regular else target
@@ -167,7 +196,7 @@ def run_generate(args: argparse.Namespace) -> Path:
         with partial.open("w") as f:
             for c in completions:
                 line = {"prompt_index": c.prompt_index, "sample_index": c.sample_index,
-                        "text": tokenizer.decode(c.token_ids, skip_special_tokens=True), "token_ids": c.token_ids,
+                        "text": completion_text(tokenizer, c.prompt_ids, c.token_ids), "token_ids": c.token_ids,
                         "logprobs": c.logprobs, "finish_reason": c.finish_reason}
                 if c.error:
                     line["error"] = c.error

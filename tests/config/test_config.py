@@ -473,6 +473,25 @@ def test_corrections_that_would_do_nothing_or_fail_at_the_first_step_are_refused
     assert expected in config_error(overrides=overrides)
 
 
+@pytest.mark.parametrize("source", ["init_from=sft/final", "model.path=ckpt"])
+def test_a_scratch_shape_given_with_a_checkpoint_is_refused(source):
+    """The checkpoint's config.json sets the shape: `model.scratch.num_layers=12` would be ignored."""
+    message = config_error(overrides=[source, "model.scratch.num_layers=12"])
+    assert "model.scratch.num_layers=12 is not read with" in message and source.split("=")[0] in message
+    load_config(None, [source])
+    load_config(None, ["model.scratch.num_layers=12"])
+
+
+def test_the_demos_grpo_stage_config_reruns_alone(tmp_path):
+    """Its config.yaml names the SFT checkpoint and no scratch shape, so `tether train` accepts it."""
+    from tether.demo import demo_configs
+
+    sft, grpo = demo_configs(quick=True, seed=0, sft_final=tmp_path / "sft" / "final")
+    assert grpo.init_from == str((tmp_path / "sft" / "final").resolve()) and sft.init_from is None
+    assert sft.model.scratch.num_layers == 3
+    assert load_config(save_resolved(grpo, tmp_path), []) == grpo
+
+
 def test_paths_starting_with_a_tilde_are_the_users_home(monkeypatch, tmp_path):
     """No shell expands `~` in YAML or after `key=`: `data.train: ~/x.jsonl` named a missing file."""
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -5,7 +5,7 @@ import torch
 
 from tether.algorithms.logprobs import process_logits
 from tether.engine.rng import SampleRNG, draw_uniforms
-from tether.engine.sampler import Sampler, _sample_general, finish_reason, inverse_cdf
+from tether.engine.sampler import Sampler, _sample_general, completion_text, finish_reason, inverse_cdf
 from tether.engine.sequence import Sequence
 from tether.engine.types import SamplingParams
 
@@ -184,6 +184,17 @@ def test_a_stop_string_with_a_word_start_space_matches_the_completions_first_wor
     assert finish_reason(plain, 100, PieceTokenizer()) is None
     plain.append_token(4, -1.0, 0)  # " 4", in the middle: as before
     assert finish_reason(plain, 100, PieceTokenizer()) == "stop"
+
+
+def test_a_completions_text_is_as_it_reads_after_its_prompt():
+    """The text stop strings match is the text written and scored: " Answer 4" after "Q:" (vLLM's
+    output text), where decoding the completion alone drops its first space."""
+    assert completion_text(PieceTokenizer(), [1], [2, 4]) == " Answer 4"
+    assert PieceTokenizer().decode([2, 4]) == "Answer 4"
+    assert completion_text(PieceTokenizer(), [1], [3, 4]) == ": 4"  # no word start: nothing added
+    assert completion_text(PieceTokenizer(), [], [2, 4]) == "Answer 4"  # no prompt (a bos-free empty one)
+    prompt = list("Q: é".encode())  # a prompt ending inside a character's bytes
+    assert completion_text(ByteTokenizer(), prompt[:-1], [prompt[-1], *b"42"]) == "\ufffd42"
 
 
 class ByteTokenizer:

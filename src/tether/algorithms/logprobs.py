@@ -2,7 +2,9 @@
 
 A token's log-prob is taken under the distribution it was drawn from (what vLLM calls "processed
 logprobs"): logits / temperature, restricted to the top-k, then to the top-p nucleus, then to the
-min-p set, renormalised over what survives (filtered tokens get -inf). Greedy decoding
+min-p set, renormalised over what survives (filtered tokens get -inf); the order of transformers'
+warpers and SGLang (vLLM applies min-p first, so its top-p nucleus is taken after min-p: with both
+set the two differ). Greedy decoding
 (temperature 0) reports the log-prob under the raw softmax (temperature 1), because argmax has no
 distribution of its own. If the engine and the trainer disagreed on this definition, every
 importance ratio pi_trainer / pi_engine would be biased even with identical weights.

@@ -95,7 +95,11 @@ def _require(row: dict[str, Any], name: str, where: str, hint: str = "") -> Any:
 
 
 def _prompt_from_row(row: dict[str, Any], where: str, index: int, *, allow_empty: bool = False) -> PromptRecord:
-    prompt = check_text(_require(row, "prompt", where), where, "prompt", allow_empty=allow_empty)
+    hint = ""
+    if "prompt" not in row:  # a dataset's own column name (gsm8k's "question", a chat "messages")
+        chat = " (a chat prompt goes in 'prompt' as its list of messages)" if "messages" in row else ""
+        hint = f"; the row has {', '.join(repr(k) for k in list(row)[:8])}{chat}" if row else ""
+    prompt = check_text(_require(row, "prompt", where, hint), where, "prompt", allow_empty=allow_empty)
     if isinstance(prompt, list) and prompt[-1]["role"] in ("assistant", "system"):
         # Rendered with the generation prompt, it would close that turn and open a new, empty one.
         raise DataError(f"{where}: field 'prompt' ends with a {prompt[-1]['role']!r} message; a prompt to "

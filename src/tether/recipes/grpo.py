@@ -35,6 +35,7 @@ from tether.data.records import PromptRecord
 from tether.data.tokenize import tokenize_prompt
 from tether.engine.config import EngineConfig
 from tether.engine.requests import resolve_max_model_len
+from tether.engine.sampler import completion_text
 from tether.engine.types import SamplingParams
 from tether.errors import ConfigError, DataError, TetherError
 from tether.metrics import MetricsWriter
@@ -210,7 +211,7 @@ def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
         rewards=inputs.rewards if inputs is not None else build_rewards(config, data.task),
         prompts=DataCursor(data.train, seed=config.seed),
         encode=lambda record: tokenize_prompt(record, tokenizer),
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        decode=functools.partial(completion_text, tokenizer),
         advantage_fn=ADVANTAGES.get(config.algorithm.advantage),
         sampling=sampling_params(config, tokenizer), prompts_per_step=config.rollout.prompts_per_step)
 
@@ -230,7 +231,7 @@ def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
         DataCursor(data.train, seed=config.seed),
         inputs.rewards if inputs is not None else build_rewards(config, data.task),
         lambda record: tokenize_prompt(record, tokenizer),
-        lambda ids: tokenizer.decode(ids, skip_special_tokens=True), settings)
+        functools.partial(completion_text, tokenizer), settings)
 
 
 def generator_process_modules(tokenizer: Any = None) -> list[str]:
