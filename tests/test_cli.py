@@ -124,7 +124,8 @@ TINY_ASYNC_GRPO = [
 @pytest.mark.slow
 def test_ctrl_c_stops_an_async_run_with_one_line_and_no_process_left(tmp_path):
     """Ctrl-C reaches the whole process group (the trainer, its generator process and the process server
-    they fork from): one "interrupted" line, no traceback from any of them, every process gone."""
+    they fork from): a line saying what the run directory keeps, then "interrupted"; no traceback from
+    any of them, every process gone."""
     run = tmp_path / "run"
     (tmp_path / "c.yaml").write_text("name: interrupted\n")
     process = subprocess.Popen([sys.executable, "-m", "tether.cli", "train", "c.yaml", *TINY_ASYNC_GRPO, "--out",
@@ -140,7 +141,9 @@ def test_ctrl_c_stops_an_async_run_with_one_line_and_no_process_left(tmp_path):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
-    assert stderr.strip().splitlines()[-1] == "interrupted"
+    *_, stopped, last = stderr.strip().splitlines()
+    assert last == "interrupted"  # after a line saying what the run directory keeps
+    assert stopped.startswith(f"{run}: stopped after step ") and "no checkpoint" in stopped, stderr
     deadline = time.monotonic() + 10
     while _live_processes_of_group(process.pid) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -86,6 +86,36 @@ def test_plain_progress_every_n_steps_and_always_the_last():
     assert "other" not in lines[0]  # only the key metrics reach the terminal
 
 
+def test_plain_progress_eta_leaves_start_up_out_and_evaluations_always_print(monkeypatch):
+    """Made at t=0, first reported at t=100 (loading), then 1 s a step: 8 s left at step 2 of 10 (the
+    ETA counted the start-up as step time: 22x too high at step 1 in a real run)."""
+    clock = iter([100.0, 101.0, 102.0, 104.0])
+    monkeypatch.setattr("tether.progress.time.perf_counter", lambda: next(clock))
+    stream = io.StringIO()
+    progress = PlainProgress(total=10, description="sft", log_every=4, stream=stream)
+    progress.update(0, {"eval/loss": 2.0})  # the evaluation before training, at t=100
+    progress.update(1, {"loss/sft": 1.5})  # not on the cadence
+    progress.update(2, {"loss/sft": 1.4, "eval/loss": 1.9})  # off the cadence, but an evaluation
+    progress.update(4, {"loss/sft": 1.3})
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[sft] step 0/10 eval/loss=2"  # no ETA before a step has been timed
+    assert lines[1].startswith("[sft] step 2/10 eta 8s ") and "eval/loss=1.9" in lines[1]
+    assert lines[2].startswith("[sft] step 4/10 eta 6s ") and len(lines) == 3
+
+
+def test_rich_progress_keeps_the_count_and_eta_on_an_80_column_terminal():
+    from rich.console import Console
+
+    screen = io.StringIO()
+    progress = RichProgress(2000, "grpo", console=Console(file=screen, width=80, force_terminal=True))
+    progress.update(5, {"reward/mean": 0.0625, "loss/policy": 0.01112, "kl/ref": 0.0, "entropy": 0.7166,
+                        "time/step_s": 0.1027, "throughput/tokens_per_s": 1e4})
+    progress.close()
+    last = screen.getvalue().split("\r")[-1]
+    assert "5/2000" in last and ("-:--:--" in last or "0:" in last)
+    assert "reward/mean=0.0625" in last
+
+
 def test_make_progress_is_plain_when_not_a_tty(monkeypatch):
     monkeypatch.setattr("sys.stdout", io.StringIO())
     progress = make_progress("auto", 10, "sft")

@@ -1,9 +1,15 @@
-"""Run directories: every run is self-describing (resolved config, metrics, samples, checkpoints)."""
+"""Run directories: every run is self-describing (resolved config, what ran it, metrics, samples,
+checkpoints)."""
 
 from __future__ import annotations
 
+import json
 import os
+import platform
+import sys
 import time
+from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 
 try:
@@ -16,10 +22,11 @@ from tether.config.loader import is_resolved_config
 from tether.errors import ConfigError
 
 GENERATOR_ERROR_LOG = "generator_error.log"  # a crashed generator process's traceback (recipes.grpo)
+RUN_INFO = "run.json"  # what ran the run: versions, command, machine, start time (``run_info``)
 _LOCK_NAME = ".tether.lock"
 # What a run that failed before its first step leaves: ``--out`` may be reused while that is all.
 # These files may hold something (the next run rewrites them); metrics and samples must be empty.
-_KEPT_WHOLE = ("config.yaml", _LOCK_NAME, GENERATOR_ERROR_LOG)
+_KEPT_WHOLE = ("config.yaml", RUN_INFO, _LOCK_NAME, GENERATOR_ERROR_LOG)
 _REUSABLE = (*_KEPT_WHOLE, "metrics.jsonl", "samples.jsonl")
 
 
@@ -67,10 +74,37 @@ def create_run_dir(config: ExperimentConfig, out: str | Path | None = None) -> P
         _check_reusable(run_dir)  # again under the lock: a run that took it meanwhile has finished
         (run_dir / GENERATOR_ERROR_LOG).unlink(missing_ok=True)  # the failed attempt's, not this run's
         save_resolved(config, run_dir)
+        (run_dir / RUN_INFO).write_text(json.dumps(run_info(), indent=1) + "\n")
     except BaseException:
         release_run_dir(run_dir)
         raise
     return run_dir
+
+
+def run_info() -> dict[str, object]:
+    """What runs this process, for ``run.json``: the versions that move results (the README's
+    accuracies move with the torch version and the CPU), the command, the machine, the start."""
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": sys.argv,
+            "versions": {name: version(name) for name in ("tether", "torch", "transformers", "tokenizers",
+                                                          "safetensors", "pydantic")},
+            "python": platform.python_version(), "platform": platform.platform(),
+            "machine": platform.machine(), "processor": _cpu_name(), "num_cpus": os.cpu_count()}
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.processor())
+    except OSError:
+        return platform.processor()
 
 
 def release_run_dir(run_dir: str | Path) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import tether
 from tether import runs
 from tether.config import ExperimentConfig, load_config, parse_override, save_resolved
 from tether.errors import ConfigError
@@ -336,7 +340,17 @@ def test_runs_on_the_default_path_never_share_a_directory(tmp_path, monkeypatch)
     names = iter([taken, fresh])
     monkeypatch.setattr(runs, "new_run_path", lambda root, name: next(names))
     assert create_run_dir(config) == fresh
-    assert sorted(p.name for p in other.iterdir()) == [".tether.lock", "config.yaml"]
+    assert sorted(p.name for p in other.iterdir()) == [".tether.lock", "config.yaml", "run.json"]
+
+
+def test_a_run_directory_says_what_ran_it(tmp_path):
+    """Versions, command and machine beside the config: the README's figures move with torch and the CPU."""
+    run_dir = create_run_dir(load_config(None, ["name=exp"]), out=tmp_path / "run")
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["versions"]["torch"] == torch.__version__ and info["versions"]["tether"] == tether.__version__
+    assert info["command"] == sys.argv and info["num_cpus"] == os.cpu_count() and info["started"].endswith("+00:00")
+    release_run_dir(run_dir)
+    release_run_dir(create_run_dir(load_config(None, ["name=exp"]), out=run_dir))  # failed to start: reused
 
 
 def test_create_run_dir_refuses_a_directory_with_other_files(tmp_path):

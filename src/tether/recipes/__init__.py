@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tether.config import ExperimentConfig, load_config
+from tether.metrics import read_metrics
 from tether.runs import create_run_dir, release_run_dir
 
 
@@ -27,7 +29,19 @@ def run_train(config_path: str, overrides: list[str], out: str | None = None) ->
     print(f"run directory: {run_dir}", flush=True)
     try:
         result = _recipes()[config.recipe](config, run_dir)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI raises a KeyboardInterrupt for it)
+        print(f"{run_dir}: stopped {_steps_done(run_dir)}; metrics.jsonl and samples.jsonl keep what was "
+              "logged; no checkpoint: final/ is written when a run finishes", file=sys.stderr, flush=True)
+        raise
     finally:
         release_run_dir(run_dir)
     print(f"done: {run_dir}", flush=True)
     return result
+
+
+def _steps_done(run_dir: Path) -> str:
+    try:
+        steps = [record["step"] for record in read_metrics(run_dir / "metrics.jsonl") if record.get("step")]
+    except (OSError, ValueError, TypeError):
+        return "early"
+    return f"after step {max(steps)}" if steps else "before its first step"
