@@ -112,8 +112,9 @@ def test_other_tools_names_for_settings_are_refused(key, hint):
 
 def test_fields_that_look_like_settings_are_named_the_rest_are_the_users():
     records = [PromptRecord("x", fields={"answer": "4", "seed_id": 3, "maxLen": 9, "top_q": 1, "id": 7}),
-               PromptRecord("y", fields={"stop_after": "x", "temperature": 0.5, "topic": "math"})]
-    assert setting_like_fields(records) == ["maxLen", "seed_id", "stop_after", "top_q"]
+               PromptRecord("y", fields={"stop_after": "x", "temperature": 0.5, "topic": "math", "template": "t",
+                                         "temp_c": 1})]
+    assert setting_like_fields(records) == ["maxLen", "seed_id", "stop_after", "temp_c", "top_q"]
 
 
 def test_a_chat_prompt_for_a_tokenizer_without_a_template_names_its_line(model_dir, tmp_path):

@@ -69,8 +69,8 @@ FOREIGN_FIELDS = {"temp": "temperature", "max_tokens": "max_new_tokens", "max_co
                   "num_completions": "n", "sampling_seed": "seed",
                   "prompt_token_ids": None, "input_ids": None}
 # Other fields are the user's own; these look like sampling settings all the same (warned about once).
-_SETTING_LIKE = re.compile(r"^(max|min)_\w*(tokens?|len|length)$|^top_?[a-z]$|^min_?p$|^stop|seed|^temp|penalt"
-                           r"|^num_\w*(samples|generations|sequences|completions|return)")
+_SETTING_LIKE = re.compile(r"^(max|min)_\w*(tokens?|len|length)$|^top_?[a-z]$|^min_?p$|^stop|seed|penalt"
+                           r"|^temp(erature)?(_|$)|^num_\w*(samples|generations|sequences|completions|return)")
 # Settings nested under one field, as other tools' request bodies hold them (a mapping with a sampling
 # setting's name in it; any other mapping there is the user's own field): tether reads flat fields.
 NESTED_FIELDS = ("sampling_params", "generation_config", "generation_kwargs", "parameters", "options")
