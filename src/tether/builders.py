@@ -181,10 +181,11 @@ def eos_token_ids(tokenizer: Any, checkpoint: str | Path | None = None) -> tuple
 
 
 def build_generator(model: torch.nn.Module, tokenizer: Any, engine: EngineSection | None = None,
-                    checkpoint: str | Path | None = None) -> LLMEngine:
+                    checkpoint: str | Path | None = None, *, owns_model: bool = False) -> LLMEngine:
     """The rollout engine for a policy (loaded from ``checkpoint``, if from one): its own copy of the
-    weights, synced by ``update_weights``."""
+    weights, synced by ``update_weights`` (``owns_model``: ``model`` is that copy already)."""
     # Every ``engine.*`` config key is an ``EngineConfig`` field of the same name.
     config = EngineConfig(**(engine or EngineSection()).model_dump(),
                           stop_token_ids=eos_token_ids(tokenizer, checkpoint))
-    return LLMEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer, config=config)
+    own = model if owns_model else copy.deepcopy(model)
+    return LLMEngine(own.eval().requires_grad_(False), tokenizer=tokenizer, config=config)

@@ -77,6 +77,50 @@ def test_weights_reach_the_generator_process_on_policy(tmp_path, tiny_policy):
         m["mismatch/abs_logp_diff"] for m in result.history]
 
 
+def _count_models_then(report: str, make_worker):
+    """In the generator process: build the worker, then write how many models the process holds."""
+    import gc
+
+    from tether.models.decoder import Decoder
+
+    worker = make_worker()
+    gc.collect()
+    Path(report).write_text(str(sum(isinstance(obj, Decoder) for obj in gc.get_objects())))
+    return worker
+
+
+@pytest.mark.slow
+def test_the_generator_process_holds_one_model_built_from_the_shared_weights(tiny_policy, tmp_path):
+    """No copy of the model is pickled to the generator process (that copy stayed alive there for the
+    whole run beside the engine's own: two models per process): it builds its engine's model from
+    the shared weights' version 0, and samples with the policy's weights."""
+    from tether.recipes.grpo import build_process_generator_worker
+
+    model, tokenizer = tiny_policy
+    config = tiny_config("rollout.mode=async", "rollout.max_staleness=0", "rollout.generate_during_boot=false")
+    policy = copy.deepcopy(model)
+    weights = SharedWeights(policy.named_parameters())
+    make_worker = functools.partial(build_process_generator_worker, config, policy.config,
+                                    next(policy.parameters()).device, tokenizer, weights)
+    report = tmp_path / "models"
+    transport = ProcessTransport(functools.partial(_count_models_then, str(report), make_worker), weights,
+                                 num_threads=1)
+    try:
+        groups = []
+        deadline = time.monotonic() + 120
+        while not groups and time.monotonic() < deadline:
+            groups = transport.poll(1.0)
+        assert report.read_text() == "1"  # the engine's model, nothing else
+        completions = groups[0].completions
+        logp, _ = completion_logprobs(policy, [c.prompt_ids for c in completions], [c.token_ids for c in completions],
+                                      SamplingView())
+        for row, c in enumerate(completions):
+            assert torch.allclose(logp[row, : c.num_tokens], torch.tensor(c.logprobs), atol=1e-4)
+        transport.publish_weights(policy.named_parameters(), 1)  # version 0 was acknowledged: no wait
+    finally:
+        transport.close()
+
+
 def _failing_worker():
     raise RuntimeError("engine could not be built")
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tether.algorithms.registry import ADVANTAGES
 from tether.builders import (
     PromptData,
@@ -40,6 +42,7 @@ from tether.engine.types import SamplingParams
 from tether.errors import ConfigError, DataError, TetherError
 from tether.metrics import MetricsWriter
 from tether.models.checkpoint import save_checkpoint
+from tether.models.config import ModelConfig
 from tether.progress import make_progress
 from tether.rewards.compute import RewardComputer
 from tether.rollout.async_loop import AsyncRLComponents, async_rl_step
@@ -54,7 +57,7 @@ from tether.rollout.local_backend import (
 )
 from tether.rollout.process_server import start_process_server
 from tether.rollout.sync_loop import LoopState, RLComponents, rl_step
-from tether.rollout.weights import SharedWeights
+from tether.rollout.weights import SharedWeights, decoder_from_weights
 from tether.runs import GENERATOR_ERROR_LOG
 from tether.training.optim import build_optimizer, build_scheduler
 from tether.training.policy import PolicyLossSettings, PolicyTrainer
@@ -217,9 +220,9 @@ def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
 
 
 def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
-                           inputs: RunInputs | None = None) -> GeneratorWorker:
-    """The generator role from config (module-level and picklable: the generator process calls it;
-    ``inputs``: the prompts and rewards when this process has resolved them already)."""
+                           inputs: RunInputs | None = None, *, owns_model: bool = False) -> GeneratorWorker:
+    """The generator role from config (``inputs``: the prompts and rewards when this process has
+    resolved them already; ``owns_model``: the engine may keep ``model`` rather than copy it)."""
     data = inputs.data if inputs is not None else rl_prompt_data(config, model, tokenizer)[0]
     r = config.rollout
     settings = GeneratorSettings(
@@ -227,11 +230,20 @@ def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
         max_staleness=max_staleness(config), num_extra_groups=r.oversample,
         is_partial_rollouts=is_partial_rollouts(config), is_dynamic_sampling=r.dynamic_sampling)
     return GeneratorWorker(
-        build_generator(model, tokenizer, config.engine, checkpoint_of(config)),
+        build_generator(model, tokenizer, config.engine, checkpoint_of(config), owns_model=owns_model),
         DataCursor(data.train, seed=config.seed),
         inputs.rewards if inputs is not None else build_rewards(config, data.task),
         lambda record: tokenize_prompt(record, tokenizer),
         functools.partial(completion_text, tokenizer), settings)
+
+
+def build_process_generator_worker(config: ExperimentConfig, model_config: ModelConfig, device: torch.device,
+                                   tokenizer: Any, weights: SharedWeights) -> GeneratorWorker:
+    """The generator process's worker (module-level and picklable: the process calls it): its model
+    is built from the weights' version 0, the trainer's weights at the start; no copy of the model
+    is pickled to the process."""
+    model = decoder_from_weights(model_config, weights, device)
+    return build_generator_worker(config, model, tokenizer, owns_model=True)
 
 
 def generator_process_modules(tokenizer: Any = None) -> list[str]:
@@ -264,7 +276,8 @@ def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any,
     if r.mode == "async":
         start_generator_process_server(config, tokenizer)  # a no-op when the caller started it sooner
         weights = SharedWeights(model.named_parameters(), int(r.weight_bucket_mb * (1 << 20)))
-        make_worker = functools.partial(build_generator_worker, config, copy.deepcopy(model), tokenizer)
+        make_worker = functools.partial(build_process_generator_worker, config, model.config,
+                                        next(model.parameters()).device, tokenizer, weights)
         remote = ProcessTransport(make_worker, weights, num_threads=thread_split(config)[1],
                                   wait_for_handover=r.generate_during_boot)
         # Started first, so that it boots while the trainer's process builds its own worker.

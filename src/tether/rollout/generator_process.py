@@ -142,6 +142,8 @@ def run_generator_process(make_worker: Callable[[], GeneratorWorker], weights: S
         torch.set_num_threads(num_threads)
     try:
         worker = make_worker()
+        if weights.acked_version < 0:  # its worker holds version 0 (read from the buckets, or its own copy)
+            weights.ack(0)
         results.put(("ready", None, None))
         if not wait_for_handover or _wait_for_handover(worker, control, stop, trainer):
             _generate(worker, weights, control, results, stop, trainer)

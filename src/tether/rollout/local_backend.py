@@ -129,7 +129,8 @@ class ProcessTransport:
     def __init__(self, make_worker: Callable[[], GeneratorWorker], weights: SharedWeights,
                  num_threads: int = 0, wait_for_handover: bool = False) -> None:
         """``make_worker`` must be picklable (a module-level function or a ``functools.partial`` of one):
-        it runs in the new process and builds the engine there. ``wait_for_handover``: the process
+        it runs in the new process and builds the engine there, holding the weights ``weights`` was made
+        from (version 0: ``decoder_from_weights`` builds a model from them). ``wait_for_handover``: the process
         reports ready (``is_ready``) and idles until ``hand_over``. Forked from the process server
         where there is one (started here with ``BASE_PRELOAD`` if no caller started it sooner)."""
         start_process_server()

@@ -11,6 +11,10 @@ when the generator has acknowledged the previous version (published == acked), c
 bucket, then bumps ``published`` last. The generator reads when published > acked, copies the
 weights into its engine between two engine steps, then sets ``acked``; it never reads while the
 trainer writes, and the trainer never writes while the generator reads.
+
+The buckets start out holding the weights they were made from, published as version 0 and not yet
+acknowledged: the generator process builds its model from them (``decoder_from_weights``), so no
+pickled copy of the model travels to it (one stayed alive in each process for the whole run).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from tether.errors import RolloutStalledError
+from tether.models.config import ModelConfig
+from tether.models.decoder import Decoder
 
 PUBLISHED, ACKED = 0, 1
 
@@ -58,14 +64,17 @@ class ReaderExitedError(RuntimeError):
 
 
 class SharedWeights:
-    """Versioned weight buckets in shared memory; picklable to a spawned process (tensors are shared)."""
+    """Versioned weight buckets in shared memory; picklable to a spawned process (tensors are shared).
+    Made from ``named_tensors``, it holds their values as version 0, published and not acknowledged."""
 
     def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                  bucket_bytes: int = 32 << 20) -> None:
-        slots, sizes = plan_buckets(((n, tuple(t.shape), t.dtype) for n, t in named_tensors), bucket_bytes)
+        tensors = list(named_tensors)
+        slots, sizes = plan_buckets(((n, tuple(t.shape), t.dtype) for n, t in tensors), bucket_bytes)
         self.slots = slots
         self.buckets = [torch.zeros(size, dtype=torch.float32).share_memory_() for size in sizes]
-        self.header = torch.zeros(2, dtype=torch.int64).share_memory_()  # [published, acked]
+        self.header = torch.tensor([0, -1], dtype=torch.int64).share_memory_()  # [published, acked]
+        self._copy_in(tensors)
 
     @property
     def published_version(self) -> int:
@@ -90,12 +99,15 @@ class SharedWeights:
                 raise RolloutStalledError(f"the generator did not acknowledge weights {self.published_version} "
                                           f"within {timeout_s:.0f}s (stuck in a step or in a reward function)")
             time.sleep(0.001)
+        self._copy_in(named_tensors)
+        self.header[PUBLISHED] = version  # last: readers see a version only once it is whole
+
+    def _copy_in(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         tensors = dict(named_tensors)
         with torch.no_grad():
             for slot in self.slots:
                 flat = self.buckets[slot.bucket][slot.offset : slot.offset + slot.numel]
                 flat.copy_(tensors[slot.name].detach().reshape(-1))  # to fp32, exact
-        self.header[PUBLISHED] = version  # last: readers see a version only once it is whole
 
     def read(self) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
         """Generator side: views (name, tensor in its own dtype and shape) of the published version.
@@ -113,3 +125,24 @@ class SharedWeights:
 
     def ack(self, version: int) -> None:
         self.header[ACKED] = version
+
+
+def decoder_from_weights(config: ModelConfig, weights: SharedWeights, device: torch.device | str = "cpu") -> Decoder:
+    """A ``Decoder`` of ``config`` holding the published version of ``weights`` in tensors of its own
+    on ``device`` (the generator process's model); acknowledges that version, so the trainer may
+    publish the next. Tied embeddings are tied again (the buckets hold the shared tensor once)."""
+    views, version = weights.read()
+    tensors = {}
+    for name, view in views:
+        tensor = view.to(device)
+        tensors[name] = tensor.clone() if tensor.is_shared() else tensor  # never the bucket's memory
+    weights.ack(version)
+    with torch.device("meta"):  # no random init: every parameter is replaced
+        model = Decoder(config)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [name for name in missing if name != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model
