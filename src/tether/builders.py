@@ -181,11 +181,13 @@ def eos_token_ids(tokenizer: Any, checkpoint: str | Path | None = None) -> tuple
 
 
 def build_generator(model: torch.nn.Module, tokenizer: Any, engine: EngineSection | None = None,
-                    checkpoint: str | Path | None = None, *, owns_model: bool = False) -> LLMEngine:
+                    checkpoint: str | Path | None = None, *, owns_model: bool = False,
+                    max_kv_tokens: int | None = None) -> LLMEngine:
     """The rollout engine for a policy (loaded from ``checkpoint``, if from one): its own copy of the
-    weights, synced by ``update_weights`` (``owns_model``: ``model`` is that copy already)."""
+    weights, synced by ``update_weights`` (``owns_model``: ``model`` is that copy already);
+    ``max_kv_tokens`` caps its KV pool at what the caller's workload can hold."""
     # Every ``engine.*`` config key is an ``EngineConfig`` field of the same name.
     config = EngineConfig(**(engine or EngineSection()).model_dump(),
-                          stop_token_ids=eos_token_ids(tokenizer, checkpoint))
+                          stop_token_ids=eos_token_ids(tokenizer, checkpoint), max_kv_tokens=max_kv_tokens)
     own = model if owns_model else copy.deepcopy(model)
     return LLMEngine(own.eval().requires_grad_(False), tokenizer=tokenizer, config=config)

@@ -9,7 +9,7 @@ import pytest
 from rollout_helpers import tiny_config
 
 from tether.errors import ConfigError, DataError, RequestError
-from tether.recipes.grpo import build_generator_worker, rl_prompt_data, run_grpo
+from tether.recipes.grpo import build_generator_worker, rl_prompt_data, rollout_kv_tokens, run_grpo
 
 SHORT = ["12+3=", "4+5=", "7+1=", "2+2=", "9+9="]
 
@@ -28,8 +28,9 @@ def test_prompts_longer_than_the_context_are_skipped_with_one_warning(tmp_path, 
     model, tokenizer = tiny_policy  # max_position_embeddings = 64
     path = _prompts_file(tmp_path, [SHORT[0], "1" * 100, *SHORT[1:], "2" * 63])
     config = _config(path)
-    data, skipped = rl_prompt_data(config, model, tokenizer)
+    data, skipped, longest = rl_prompt_data(config, model, tokenizer)
     assert [r.index for r in skipped] == [1, 6]  # 100 and 63 characters (+ bos) leave no room
+    assert longest == len("12+3=") + 1  # the longest kept, bos included
     assert len(data.train) == len(SHORT)
     result = run_grpo(config, tmp_path / "run", copy.deepcopy(model), tokenizer)
     assert len(result.history) == 2 and all(m["rollout/num_failed"] == 0 for m in result.history)
@@ -37,6 +38,23 @@ def test_prompts_longer_than_the_context_are_skipped_with_one_warning(tmp_path, 
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "skipped 2 of 7 training prompts" in warnings[0]
     assert warnings[0].endswith(f"the first is {path}:2")  # the file and line of the prompt
+
+
+@pytest.mark.parametrize(("overrides", "num_groups"), [
+    (["rollout.mode=sync"], 3),  # a step's prompts
+    (["rollout.mode=async", "rollout.max_staleness=2", "rollout.oversample=1"], 3 * 3 + 1),  # window + extra
+])
+def test_the_rollout_engines_kv_pool_holds_what_the_run_can_use(tmp_path, tiny_policy, overrides, num_groups):
+    """Sized from free memory alone, the pool took 3.2 GB of zeros for a run that needed 60 tokens of
+    KV (and async mode builds two engines at start-up): it is capped at every sequence that may run
+    at once at the longest prompt + max_new_tokens, in whole blocks."""
+    model, tokenizer = tiny_policy
+    config = _config(_prompts_file(tmp_path, SHORT), "engine.kv_cache_bytes=null", "rollout.max_new_tokens=12",
+                     *overrides)
+    engine = build_generator_worker(config, model, tokenizer).engine
+    blocks_per_seq = -(-(len("12+3=") + 1 + 12) // 16)  # 2: the longest prompt with bos, then 12 tokens
+    assert engine.block_manager.num_blocks == num_groups * 4 * blocks_per_seq
+    assert rollout_kv_tokens(config, len("12+3=") + 1) == num_groups * 4 * blocks_per_seq * 16
 
 
 def test_no_prompt_that_fits_is_a_one_line_data_error(tmp_path, tiny_policy):

@@ -232,7 +232,8 @@ class EngineSection(Section):
                                         "chunks + decodes).")
     kv_cache_bytes: int | None = Field(None, ge=1, description="KV memory in bytes (the paged pool, "
                                        "its contiguous decode copies and a draft model's KV); empty: "
-                                       "`kv_cache_memory_fraction` of free memory.")
+                                       "`kv_cache_memory_fraction` of free memory. The grpo recipe caps "
+                                       "the pool at what its rollouts can hold at once.")
     kv_cache_memory_fraction: float = Field(0.3, gt=0, le=1, description="Share of free memory for the "
                                             "KV memory (as `kv_cache_bytes`) when `kv_cache_bytes` is "
                                             "empty.")

@@ -12,7 +12,7 @@ MAX_BLOCK_SIZE = 1024  # tokens per KV block (vLLM's largest is 256); more only 
 # Fields by type, checked before their values (the API takes no YAML schema's conversions).
 _INT_FIELDS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed", "num_speculative_tokens",
                "ngram_max", "ngram_min")
-_OPTIONAL_INT_FIELDS = ("max_model_len", "num_kv_blocks", "kv_cache_bytes")
+_OPTIONAL_INT_FIELDS = ("max_model_len", "num_kv_blocks", "kv_cache_bytes", "max_kv_tokens")
 _BOOL_FIELDS = ("enable_prefix_caching", "enable_chunked_prefill", "recompute_kv_on_update", "cpu_pack_lm_head",
                 "cpu_native_attention")
 PACK_LINEARS_MODES = ("auto", "always", "never")  # EngineConfig.cpu_pack_linears
@@ -29,6 +29,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.3
+    # The most KV tokens the caller's workload can hold at once (an RL recipe knows it: sequences in
+    # flight x their longest length): caps the pool, whatever the budget, so a small run does not
+    # claim gigabytes it can never fill. None: ``max_num_seqs`` sequences at ``max_model_len``.
+    max_kv_tokens: int | None = None
     enable_prefix_caching: bool = True  # reuse computed full blocks across requests (hash chain)
     enable_chunked_prefill: bool = True  # split long prompts over steps to respect the token budget
     # On a weight update, running sequences that have sampled keep the KV computed under the old
@@ -93,6 +97,8 @@ class EngineConfig:
             raise ConfigError(f"engine.max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
+            raise ConfigError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError(f"engine.kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.speculative not in SPECULATIVE_METHODS:

@@ -134,10 +134,11 @@ def engine_context_len(config: ExperimentConfig, model: Any) -> int:
     return resolve_max_model_len(EngineConfig(**config.engine.model_dump()), model.config.context_length)
 
 
-def rl_prompt_data(config: ExperimentConfig, model: Any, tokenizer: Any) -> tuple[PromptData, list[PromptRecord]]:
+def rl_prompt_data(config: ExperimentConfig, model: Any, tokenizer: Any) -> tuple[PromptData, list[PromptRecord], int]:
     """The run's prompts without the training prompts that leave no room for a completion (empty
-    once tokenized, or as long as the engine's context): (the data, the prompts skipped). verl's
-    ``filter_overlong_prompts`` does the same; the engine would fail each of them, every epoch."""
+    once tokenized, or as long as the engine's context): (the data, the prompts skipped, the longest
+    prompt kept in tokens). verl's ``filter_overlong_prompts`` does the same; the engine would fail
+    each of them, every epoch."""
     context = engine_context_len(config, model)
     if config.rollout.max_new_tokens >= context:  # every sample would be cut short, silently
         raise ConfigError(f"rollout.max_new_tokens={config.rollout.max_new_tokens} leaves no room for a prompt in "
@@ -146,6 +147,7 @@ def rl_prompt_data(config: ExperimentConfig, model: Any, tokenizer: Any) -> tupl
     data = build_prompt_data(config.data, config.seed)
     kept: list[PromptRecord] = []
     skipped: list[PromptRecord] = []
+    longest = 0
     for record in data.train:
         try:
             num_tokens = len(tokenize_prompt(record, tokenizer))
@@ -153,10 +155,22 @@ def rl_prompt_data(config: ExperimentConfig, model: Any, tokenizer: Any) -> tupl
             where = record.where or f"{_train_source(config)}: record {record.index}"
             raise DataError(f"{where}: {error}") from None
         (kept if 0 < num_tokens < context else skipped).append(record)
+        longest = max(longest, num_tokens) if 0 < num_tokens < context else longest
     if not kept:
         raise DataError(f"{_train_source(config)}: none of the {len(data.train)} training prompts leaves room for "
                         f"a completion in the engine's context of {context} tokens (engine.max_model_len)")
-    return dataclasses.replace(data, train=kept), skipped
+    return dataclasses.replace(data, train=kept), skipped, longest
+
+
+def rollout_kv_tokens(config: ExperimentConfig, longest_prompt: int) -> int:
+    """The most KV tokens the run's rollouts hold at once, which caps the engine's pool
+    (``EngineConfig.max_kv_tokens``): every sequence that may be running (the groups started within
+    the staleness window and over-sampling, times the group size) at the longest prompt plus
+    ``rollout.max_new_tokens``, in whole blocks. Sharing a group's prompt only lowers it. The pool
+    was sized from free memory alone: 3.2 GB of zeros for a run that needed 60 tokens of KV."""
+    r, block = config.rollout, config.engine.block_size
+    num_seqs = ((max_staleness(config) + 1) * r.prompts_per_step + r.oversample) * r.group_size
+    return num_seqs * -(-(longest_prompt + r.max_new_tokens) // block) * block
 
 
 def _train_source(config: ExperimentConfig) -> str:
@@ -169,13 +183,22 @@ class RunInputs:
 
     data: PromptData
     rewards: RewardComputer
+    longest_prompt: int  # tokens: with the rollout settings, the most KV the engine can hold
+
+
+def _data_and_longest(config: ExperimentConfig, model: Any, tokenizer: Any,
+                      inputs: RunInputs | None) -> tuple[PromptData, int]:
+    if inputs is not None:
+        return inputs.data, inputs.longest_prompt
+    data, _, longest = rl_prompt_data(config, model, tokenizer)
+    return data, longest
 
 
 def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> RunInputs:
     """The run's prompts, resolved with the reward functions here, in the caller's process, before
     any generator process starts: a bad data file or reward spec is a one-line error at once, and
     skipped prompts are reported once. The components built in this process reuse the result."""
-    data, skipped = rl_prompt_data(config, model, tokenizer)
+    data, skipped, longest = rl_prompt_data(config, model, tokenizer)
     rewards = build_rewards(config, data.task)  # imports the user's reward modules, once here
     if skipped:
         context = engine_context_len(config, model)
@@ -184,7 +207,7 @@ def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> Ru
               f"tokens (empty, or {context} tokens or more); the first is "
               f"{skipped[0].where or f'record {skipped[0].index}'}",
               file=sys.stderr)
-    return RunInputs(data, rewards)
+    return RunInputs(data, rewards, longest)
 
 
 def _report_first_failures(state: LoopState, components: Any, reported: set[str]) -> None:
@@ -207,9 +230,10 @@ def _report_first_failures(state: LoopState, components: Any, reported: set[str]
 
 def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
                      inputs: RunInputs | None = None) -> RLComponents:
-    data = inputs.data if inputs is not None else rl_prompt_data(config, model, tokenizer)[0]
+    data, longest = _data_and_longest(config, model, tokenizer, inputs)
     return RLComponents(
-        generator=build_generator(model, tokenizer, config.engine, checkpoint_of(config)),
+        generator=build_generator(model, tokenizer, config.engine, checkpoint_of(config),
+                                  max_kv_tokens=rollout_kv_tokens(config, longest)),
         trainer=build_trainer(config, model),
         rewards=inputs.rewards if inputs is not None else build_rewards(config, data.task),
         prompts=DataCursor(data.train, seed=config.seed),
@@ -223,14 +247,15 @@ def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
                            inputs: RunInputs | None = None, *, owns_model: bool = False) -> GeneratorWorker:
     """The generator role from config (``inputs``: the prompts and rewards when this process has
     resolved them already; ``owns_model``: the engine may keep ``model`` rather than copy it)."""
-    data = inputs.data if inputs is not None else rl_prompt_data(config, model, tokenizer)[0]
+    data, longest = _data_and_longest(config, model, tokenizer, inputs)
     r = config.rollout
     settings = GeneratorSettings(
         sampling=sampling_params(config, tokenizer), groups_per_batch=r.prompts_per_step,
         max_staleness=max_staleness(config), num_extra_groups=r.oversample,
         is_partial_rollouts=is_partial_rollouts(config), is_dynamic_sampling=r.dynamic_sampling)
     return GeneratorWorker(
-        build_generator(model, tokenizer, config.engine, checkpoint_of(config), owns_model=owns_model),
+        build_generator(model, tokenizer, config.engine, checkpoint_of(config), owns_model=owns_model,
+                        max_kv_tokens=rollout_kv_tokens(config, longest)),
         DataCursor(data.train, seed=config.seed),
         inputs.rewards if inputs is not None else build_rewards(config, data.task),
         lambda record: tokenize_prompt(record, tokenizer),
