@@ -54,3 +54,27 @@ def test_k3_gradient_matches_its_formula():
     logp = torch.tensor([math.log(0.5)], requires_grad=True)
     k3(logp, torch.tensor([math.log(0.25)])).sum().backward()
     torch.testing.assert_close(logp.grad, torch.tensor([0.5]))
+
+
+def test_as_a_loss_k2_pulls_toward_kl_pi_ref_k3_toward_kl_ref_pi_and_k1_nowhere():
+    """The expected gradient over samples of pi, summed exactly over a small vocabulary: why
+    algorithm.kl_estimator=k1 is refused as a loss term (verl's kl_loss_type=kl pitfall)."""
+    gen = torch.Generator().manual_seed(0)
+    theta, ref_logits = torch.randn(6, generator=gen, requires_grad=True), torch.randn(6, generator=gen)
+    logp_ref = torch.log_softmax(ref_logits, -1)
+
+    def expected_gradient(estimator) -> torch.Tensor:
+        logp = torch.log_softmax(theta, -1)
+        # E_{x ~ pi}[grad k(x)]: pi(x) weights the per-sample gradients, itself not differentiated
+        (grad,) = torch.autograd.grad((logp.exp().detach() * estimator(logp, logp_ref)).sum(), theta)
+        return grad
+
+    def exact(kl) -> torch.Tensor:
+        (grad,) = torch.autograd.grad(kl(torch.log_softmax(theta, -1)), theta)
+        return grad
+
+    forward_kl = exact(lambda logp: (logp.exp() * (logp - logp_ref)).sum())  # KL(pi || ref)
+    reverse_kl = exact(lambda logp: (logp_ref.exp() * (logp_ref - logp)).sum())  # KL(ref || pi)
+    assert torch.allclose(expected_gradient(k1), torch.zeros(6), atol=1e-6)
+    assert torch.allclose(expected_gradient(k2), forward_kl, atol=1e-6)
+    assert torch.allclose(expected_gradient(k3), reverse_kl, atol=1e-6)

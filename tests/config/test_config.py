@@ -442,6 +442,8 @@ def test_sft_examples_need_two_tokens():
     (["algorithm.advantage=dr_grpo", "rollout.group_size=1"], "every advantage would be 0"),
     (["algorithm.advantage=reinforce_pp_baseline", "rollout.group_size=1"], "every advantage would be 0"),
     (["rollout.temperature=0"], "rollout.temperature=0 samples the 8 completions of a group alike"),
+    (["algorithm.kl_coef=0.05", "algorithm.kl_estimator=k1"], "algorithm.kl_estimator=k1 as a loss term pulls "
+                                                              "toward nothing"),
 ])
 def test_settings_under_which_nothing_is_learned_are_refused(overrides, expected):
     assert expected in config_error(overrides=overrides)

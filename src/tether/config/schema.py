@@ -183,6 +183,11 @@ class AlgorithmSection(Section):
         if self.correction == "geo_mask" and self.correction_cap < 1:
             raise ValueError(f"algorithm.correction_cap={self.correction_cap}: geo_mask keeps sequences whose "
                              "geometric-mean ratio lies in [1/cap, cap], so the cap must be >= 1 (typical: 1.01-1.05)")
+        if self.kl_coef > 0 and self.kl_estimator == "k1":  # verl's kl_loss_type=kl pitfall
+            raise ValueError("algorithm.kl_estimator=k1 as a loss term pulls toward nothing: its gradient, "
+                             "grad log pi, is 0 in expectation over samples of pi (it adds noise while kl/ref "
+                             "looks sensible); use k2 (gradient of KL(pi||ref)) or k3 (GRPO's; gradient of "
+                             "KL(ref||pi))")
         return self
 
 
