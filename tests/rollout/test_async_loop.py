@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 import pytest
 import torch
@@ -184,6 +185,28 @@ def test_partial_rollouts_default_to_the_staleness_bound_in_force():
     assert partial("rollout.mode=async", "rollout.max_staleness=2")
     assert partial("rollout.mode=sync", "rollout.oversample=2")
     assert not partial("rollout.mode=async", "rollout.max_staleness=2", "rollout.partial_rollouts=false")
+
+
+@pytest.mark.slow
+def test_a_generator_process_stops_starting_groups_once_dynamic_sampling_gave_up(tiny_policy):
+    """The limit is counted where the groups are filtered: a generator process whose trainer is busy
+    (here: 3 s before its first poll) stops at the limit plus the groups in flight; it went on
+    filtering (384 groups against a limit of 30 in a review's run)."""
+    from tether.recipes.grpo import build_async_components
+
+    model, tokenizer = tiny_policy
+    config = tiny_config("rollout.mode=async", "rollout.max_staleness=1", "rollout.oversample=2",
+                         "rollout.dynamic_sampling=true", "rollout.generate_during_boot=false",
+                         "rollout.generator_threads=1", "trainer.num_threads=1", reward="constant")
+    components = build_async_components(config, copy.deepcopy(model), tokenizer)
+    try:
+        time.sleep(3.0)
+        with pytest.raises(RolloutStalledError, match=r"dynamic sampling filtered 3\d groups in a row"):
+            run_steps(components, 1)
+        num_in_flight = (1 + 1) * 3 + 2  # (S + 1) x B + oversample
+        assert 30 <= components.transport.counters.num_filtered <= 30 + num_in_flight
+    finally:
+        components.transport.close()
 
 
 def test_dynamic_sampling_limit_in_sync_mode_counts_filtered_groups_as_they_come(tiny_policy):

@@ -23,13 +23,11 @@ from tether.algorithms.mismatch import staleness_metrics
 from tether.errors import RequestError, RolloutStalledError
 from tether.rewards.compute import RewardResult
 from tether.rollout.buffer import GroupRollout, RolloutBuffer
+from tether.rollout.generator_worker import MAX_FILTERED_DRAWS
 from tether.rollout.local_backend import GeneratorTransport
 from tether.rollout.sync_loop import MAX_EMPTY_DRAWS, LoopState, build_rollout_batch
 from tether.training.batch import RolloutBatch
 from tether.training.policy import PolicyTrainer
-
-# Batches' worth of groups that dynamic sampling may filter in a row before the run stops.
-MAX_FILTERED_DRAWS = 10
 
 
 @dataclass(slots=True)
@@ -51,7 +49,6 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
     """
     last_progress = time.monotonic()
     failed_at_progress = c.transport.counters.num_failed  # failures before the last finished group
-    filtered_at_progress = c.transport.counters.num_filtered
     while True:
         take = c.buffer.take_batch(c.groups_per_batch, state.policy_version)
         if take.stale:
@@ -64,11 +61,12 @@ def collect_batch(c: AsyncRLComponents, state: LoopState) -> list[GroupRollout]:
         if groups:
             c.buffer.add(groups)
             last_progress = time.monotonic()
-            failed_at_progress, filtered_at_progress = counters.num_failed, counters.num_filtered
+            failed_at_progress = counters.num_failed
             continue
         # Dynamic sampling that finds no group with signal: after as many groups as MAX_FILTERED_DRAWS
         # batches, the run stops with the reason (verl's max_num_gen_batches), not after max_wait_s.
-        num_filtered = counters.num_filtered - filtered_at_progress
+        # Counted by the generator, which then starts no more groups.
+        num_filtered = counters.num_filtered_in_a_row
         if num_filtered >= MAX_FILTERED_DRAWS * c.groups_per_batch:
             reward_error = next(iter(counters.filtered_reward_errors.values()), None)
             cause = f"; a reward function failed (scored 0): {reward_error}" if reward_error else ""

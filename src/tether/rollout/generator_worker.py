@@ -43,6 +43,11 @@ class GeneratorSettings:
     is_dynamic_sampling: bool = False  # drop zero-reward-variance groups and refill
 
 
+# Batches' worth of groups that dynamic sampling may filter in a row (verl's max_num_gen_batches):
+# then the generator starts no more groups and the trainer stops the run with the reason.
+MAX_FILTERED_DRAWS = 10
+
+
 @dataclass(slots=True)
 class GeneratorCounters:
     """Cumulative; logged by the trainer as ``rollout/*``."""
@@ -50,6 +55,7 @@ class GeneratorCounters:
     num_started: int = 0  # groups admitted (re-issues included)
     num_finished: int = 0  # groups scored and handed out
     num_filtered: int = 0  # dynamic sampling: zero reward variance, dropped
+    num_filtered_in_a_row: int = 0  # filtered since the last group handed out
     num_filtered_reward_errors: int = 0  # reward calls that failed (scored 0) in those groups
     filtered_reward_errors: dict[str, str] = field(default_factory=dict)  # each reward's first such failure
     num_failed: int = 0  # a sample failed in the engine (finish_reason "error"): the group is dropped
@@ -145,7 +151,14 @@ class GeneratorWorker:
 
     @property
     def may_admit(self) -> bool:
-        return self.is_admitting and self._pending_weights is None and self.controller.may_start(self.version)
+        return (self.is_admitting and self._pending_weights is None and self.controller.may_start(self.version)
+                and not self.is_out_of_signal)
+
+    @property
+    def is_out_of_signal(self) -> bool:
+        """Dynamic sampling filtered ``MAX_FILTERED_DRAWS`` batches' worth of groups in a row: start no
+        more (a generator process ran on filtering hundreds while its trainer was busy)."""
+        return self.counters.num_filtered_in_a_row >= MAX_FILTERED_DRAWS * self.settings.groups_per_batch
 
     def drain(self) -> None:
         """Start no more groups; those in flight run to the end. Once ``is_idle``, ``state_dict`` holds
@@ -212,6 +225,7 @@ class GeneratorWorker:
         if self.settings.is_dynamic_sampling and num > 1 and not rollout.has_reward_variance:
             self.controller.release()  # no signal: its place goes to a fresh prompt
             self.counters.num_filtered += 1
+            self.counters.num_filtered_in_a_row += 1
             # A reward that fails on every sample scores the group all 0: its failures must not
             # leave with the group (they are counted and reported like a trained group's).
             self.counters.num_filtered_reward_errors += sum(scores.num_errors.values())
@@ -219,6 +233,7 @@ class GeneratorWorker:
                 self.counters.filtered_reward_errors.setdefault(name, message)
             return None
         self.counters.num_finished += 1
+        self.counters.num_filtered_in_a_row = 0
         return rollout
 
     # ------------------------------------------------------------------ state
