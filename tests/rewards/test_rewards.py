@@ -12,6 +12,7 @@ import pytest
 from tether.errors import ConfigError
 from tether.rewards import RewardComputer, WeightedReward, exact_match, resolve_reward
 from tether.rewards.compute import RewardResult
+from tether.rewards.loader import check_called_per_sample
 
 PROMPTS = ["1+1=", "2+2=", "3+3="]
 COMPLETIONS = ["2", " 4\n", "7"]
@@ -418,3 +419,49 @@ def test_a_reward_that_mutates_its_inputs_changes_nothing_for_later_calls():
     result = RewardComputer([WeightedReward("locked", lambda prompt, completion, guard, **fields: float(
         guard is lock))]).score(PROMPTS, COMPLETIONS, [{"guard": lock}] * 3)
     assert result.totals == [1.0, 1.0, 1.0] and result.num_errors == {"locked": 0}
+
+
+def _trl_batched(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def _one_argument(completion):
+    return 1.0
+
+
+def _needs_a_field(prompt, completion, solution):
+    return 1.0
+
+
+class _RewardClass:
+    def __init__(self, prompt, completion, **fields):
+        pass
+
+
+@pytest.mark.parametrize(("fn", "fragment"), [
+    (_trl_batched, "TRL's batched form is not tether's: tether calls it once per sample"),
+    (_one_argument, "cannot be called as f(prompt, completion and the data's fields ['answer'])"),
+    (_needs_a_field, "missing a required argument: 'solution'"),
+    (_RewardClass, "is a class; name a function"),
+])
+def test_a_reward_that_cannot_be_called_per_sample_is_refused_before_the_run(fn, fragment):
+    """Every call would raise and score 0: the run trained on nothing and exited 0 (TRL's form)."""
+    with pytest.raises(ConfigError) as error:
+        check_called_per_sample(fn, "rewards.0.fn=r.py:f", {"answer": "4"})
+    assert str(error.value).startswith("rewards: rewards.0.fn=r.py:f") and fragment in str(error.value)
+    check_called_per_sample(exact_match, "exact_match", {"answer": "4"})
+    check_called_per_sample(lambda prompt, completion, **fields: 1.0, "f", {"answer": "4"})
+    check_called_per_sample(max, "max", {})  # no signature to read: its calls will tell
+
+
+def test_a_grpo_run_with_a_trl_style_reward_stops_before_its_first_step(tmp_path):
+    from tether.builders import build_model_and_tokenizer
+    from tether.config import load_config
+    from tether.recipes.grpo import check_run_inputs
+
+    (tmp_path / "trl_reward.py").write_text("def reward_len(completions, **kwargs):\n    return [0.0]\n")
+    config = load_config(None, [f"rewards=[{{fn: '{tmp_path / 'trl_reward.py'}:reward_len'}}]",
+                                "data.num_train=8", "model.scratch.hidden_size=32", "model.scratch.num_layers=1"])
+    model, tokenizer = build_model_and_tokenizer(config.model, None, 0)
+    with pytest.raises(ConfigError, match=r"rewards\.0\.fn=.*trl_reward.py:reward_len\(completions, \*\*kwargs\)"):
+        check_run_inputs(config, model, tokenizer)

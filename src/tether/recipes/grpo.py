@@ -45,6 +45,7 @@ from tether.models.checkpoint import save_checkpoint
 from tether.models.config import ModelConfig
 from tether.progress import make_progress
 from tether.rewards.compute import RewardComputer
+from tether.rewards.loader import check_called_per_sample
 from tether.rollout.async_loop import AsyncRLComponents, async_rl_step
 from tether.rollout.buffer import RolloutBuffer
 from tether.rollout.generator_worker import GeneratorSettings, GeneratorWorker
@@ -200,6 +201,8 @@ def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> Ru
     skipped prompts are reported once. The components built in this process reuse the result."""
     data, skipped, longest = rl_prompt_data(config, model, tokenizer)
     rewards = build_rewards(config, data.task)  # imports the user's reward modules, once here
+    for index, (spec, reward) in enumerate(zip(config.rewards, rewards.rewards, strict=True)):
+        check_called_per_sample(reward.fn, f"rewards.{index}.fn={spec.fn}", data.train[0].fields)
     if skipped:
         context = engine_context_len(config, model)
         print(f"warning: {_train_source(config)}: skipped {len(skipped)} of {len(skipped) + len(data.train)} "

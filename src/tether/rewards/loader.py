@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -66,6 +67,26 @@ def resolve_reward(spec: str, builtins: Mapping[str, RewardFn] | None = None) ->
     if not callable(fn):
         raise ConfigError(f"rewards: {target} has no function {name!r} ({spec})")
     return fn
+
+
+def check_called_per_sample(fn: RewardFn, spec: str, fields: Mapping[str, Any]) -> None:
+    """Refuse, before a run, a reward that cannot be called ``fn(prompt, completion, **fields)`` with
+    a data row's ``fields``: every call would raise, score 0, and the run would train on nothing
+    (TRL's batched ``reward_fn(completions, **kwargs)`` did, exit 0). A class is refused too."""
+    if isinstance(fn, type):
+        raise ConfigError(f"rewards: {spec} is a class; name a function (prompt, completion, **fields) -> float")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its calls will tell
+        return
+    try:
+        signature.bind("", "", **fields)
+    except TypeError as error:
+        batched = {"prompts", "completions"} & set(signature.parameters)
+        hint = ("; TRL's batched form is not tether's: tether calls it once per sample" if batched else "")
+        row = f" and the data's fields {sorted(fields)}" if fields else ""
+        raise ConfigError(f"rewards: {spec}{signature} cannot be called as f(prompt, completion{row}): "
+                          f"{error}{hint}") from None
 
 
 def reward_file(spec: str) -> tuple[str, str] | None:
