@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,7 +158,8 @@ def test_a_chat_prompt_its_template_refuses_names_its_line(model_dir, tmp_path):
 def test_an_empty_prompt_fails_alone_and_a_run_that_fails_every_request_exits_non_zero(model_dir, tmp_path):
     """An empty prompt is a request of its own: served from bos alone where the tokenizer has one (as
     transformers and vLLM do); a mapping of the user's own under a name other tools nest settings in
-    is a field like any other. When every request fails, the lines are written and the exit is 2."""
+    is a field like any other. When every request fails, the exit is 2 and the lines are written
+    beside --output (OUTPUT.partial), which keeps what it held (a run's earlier results)."""
     rows = [{"prompt": ""}, {"prompt": "ab", "options": {"A": "yes", "B": "no"}}]
     out = tmp_path / "o.jsonl"
     result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / "p.jsonl", rows)),
@@ -165,16 +167,34 @@ def test_an_empty_prompt_fails_alone_and_a_run_that_fails_every_request_exits_no
     assert result.returncode == 0, result.stderr
     assert [json.loads(line)["finish_reason"] for line in out.read_text().splitlines()] == ["length", "length"]
     too_long = [{"prompt": "x" * 2000}, {"prompt": "y" * 2000}]  # past the model's context: each fails alone
+    held = out.read_text()
     result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / "q.jsonl", too_long)),
                    "--output", str(out)], tmp_path)
-    assert result.returncode == 2 and "error: every request failed; the first: request 0: " in result.stderr
-    assert [json.loads(line)["finish_reason"] for line in out.read_text().splitlines()] == ["error", "error"]
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"every request failed; --output {out} is left as it was, the errors are in {out}.partial; " \
+           "the first: request 0: " in result.stderr
+    assert out.read_text() == held  # the earlier results
+    partial = Path(f"{out}.partial").read_text().splitlines()
+    assert [json.loads(line)["finish_reason"] for line in partial] == ["error", "error"]
     capped = [{"prompt": "ab"}, {"prompt": "abcdefgh"}]  # bos + 2 and bos + 8 tokens, within a cap of 6
     result = _run(["--model", str(model_dir), "--prompts", str(_prompts(tmp_path / "r.jsonl", capped)),
                    "--max-model-len", "6", "--max-new-tokens", "10", "--output", str(out)], tmp_path)
     first, second = [json.loads(line) for line in out.read_text().splitlines()]
     assert result.returncode == 0 and (len(first["token_ids"]), first["finish_reason"]) == (3, "length")
     assert second["finish_reason"] == "error" and "max_model_len" in second["error"]
+
+
+@pytest.mark.parametrize("output", ["p.jsonl", "MODEL/config.json"])
+def test_output_that_is_an_input_is_refused(model_dir, tmp_path, output):
+    """--output same as --prompts replaced the prompts with completions (exit 0); in the model's
+    directory it replaced a checkpoint file."""
+    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "ab"}])
+    target = str(model_dir / "config.json") if output.startswith("MODEL") else str(prompts)
+    before = Path(target).read_text()
+    result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--output", target], tmp_path)
+    what = "a file of --model" if output.startswith("MODEL") else "the --prompts file"
+    assert result.returncode == 2 and f"--output {target}: is {what}" in result.stderr
+    assert Path(target).read_text() == before
 
 
 def test_lines_without_a_seed_sample_with_their_own(model_dir, tmp_path):

@@ -188,10 +188,13 @@ def run_generate(args: argparse.Namespace) -> Path:
     out = Path(args.output)
     target, is_regular = _output_target(out)
     partial = target.with_name(target.name + ".partial") if is_regular else target
+    _check_not_an_input(target, args)
     _check_writable(out, partial, is_regular)  # before generating: nothing computed is lost to a bad path
     prompt_ids = [_encode(tokenizer, r, args.prompts) for r in records]  # before the engine: a bad line fails fast
     engine = build_engine(args, tokenizer, device)
     completions = engine.generate(prompt_ids, params)
+    num_failed = sum(1 for c in completions if c.error)
+    all_failed = bool(completions) and num_failed == len(completions)
     try:
         with partial.open("w") as f:
             for c in completions:
@@ -201,17 +204,17 @@ def run_generate(args: argparse.Namespace) -> Path:
                 if c.error:
                     line["error"] = c.error
                 f.write(json.dumps(line) + "\n")
-        if is_regular:
+        if is_regular and not all_failed:
             os.replace(partial, target)  # only a complete file replaces what --output held
     except OSError as exc:  # a full disk, a vanished directory: the earlier --output stays as it was
         raise TetherError(f"--output {out}: writing failed ({exc.strerror or exc})") from None
-    num_failed = sum(1 for c in completions if c.error)
+    if all_failed:  # a script's `&&` must not go on; nothing replaces what --output held
+        kept = f"; --output {out} is left as it was, the errors are in {partial}" if is_regular else ""
+        raise RequestError(f"every request failed{kept}; the first: {completions[0].error}")
     failed = f" ({num_failed} failed: see their 'error')" if num_failed else ""
     # On stderr: --output /dev/stdout gets the JSON lines alone.
     print(f"wrote {len(completions)} samples for {len(records)} prompts to {out}{failed}", file=sys.stderr,
           flush=True)
-    if completions and num_failed == len(completions):  # a script's `&&` must not go on
-        raise RequestError(f"every request failed; the first: {completions[0].error}")
     return out
 
 
@@ -228,6 +231,20 @@ def _check_flags(args: argparse.Namespace, vocab_size: int, context: int) -> Non
     for token_id in args.stop_token_id:
         if not 0 <= token_id < vocab_size:
             raise TetherError(f"--stop-token-id {token_id}: not in the model's vocabulary [0, {vocab_size})")
+
+
+def _check_not_an_input(target: Path, args: argparse.Namespace) -> None:
+    """``--output`` must not be the prompts file or a file of the model's (or draft's) directory: it
+    replaced the prompts with completions, or a checkpoint's config.json, exit 0."""
+    if not target.exists():
+        return
+    inputs = [("the --prompts file", Path(args.prompts))]
+    for flag, directory in (("--model", args.model), ("--draft-model", args.draft_model)):
+        if directory and Path(directory).is_dir():
+            inputs += [(f"a file of {flag}", path) for path in Path(directory).iterdir()]
+    for what, path in inputs:
+        if path.exists() and os.path.samefile(target, path):
+            raise TetherError(f"--output {args.output}: is {what}; write the samples elsewhere")
 
 
 def _check_writable(out: Path, path: Path, is_regular: bool) -> None:
