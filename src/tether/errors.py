@@ -7,12 +7,30 @@ The message names what is wrong and where (key, file, line, field).
 
 from __future__ import annotations
 
+import os
+
 
 def one_line(error: BaseException) -> str:
     """An exception's message cut to its first line (its type when empty), for a one-line error that
     quotes a library's or a user's exception."""
     text = str(error).strip() or type(error).__name__
     return text.splitlines()[0]
+
+
+_LFS_POINTER = b"version https://git-lfs"  # how a Git LFS pointer file starts
+
+
+def unreadable_reason(file: str | os.PathLike[str], error: BaseException) -> str:
+    """Why a checkpoint file could not be read, in a few words: a Git LFS pointer in place of the
+    file (a clone without ``git lfs``) says so; else the reader's own first line (safetensors says
+    "incomplete metadata, file not fully covered" for a truncated download), with its type."""
+    try:
+        with open(file, "rb") as f:
+            if f.read(len(_LFS_POINTER)) == _LFS_POINTER:
+                return "a Git LFS pointer, not the file: fetch it with `git lfs pull`"
+    except OSError:
+        pass
+    return f"{type(error).__name__}: {one_line(error)}" if str(error).strip() else type(error).__name__
 
 
 class TetherError(Exception):

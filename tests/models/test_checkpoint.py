@@ -192,6 +192,17 @@ def test_corrupt_safetensors(checkpoint):
     assert_one_line_error(checkpoint, "model.safetensors", "cannot read")
 
 
+def test_a_truncated_or_lfs_pointer_safetensors_says_which(checkpoint):
+    """A clone without `git lfs` leaves pointer files; an interrupted download a truncated file: the
+    error says so (it gave only the reader's type name, "SafetensorError")."""
+    weights = checkpoint / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    assert_one_line_error(checkpoint, "model.safetensors", "SafetensorError: ")
+    weights.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 123456\n")
+    assert_one_line_error(checkpoint, "model.safetensors", "a Git LFS pointer, not the file: fetch it with `git lfs")
+
+
 def test_a_tensor_the_index_places_in_the_wrong_shard(tmp_path, checkpoint):
     saved = save_model(load_model(checkpoint), tmp_path / "sharded", max_shard_bytes=40_000)
     index = json.loads((saved / "model.safetensors.index.json").read_text())

@@ -92,3 +92,14 @@ def test_load_tokenizer_errors_are_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')  # a model dir without tokenizer files
     with pytest.raises(CheckpointError, match="no tokenizer files"):  # not an empty 1-token tokenizer
         load_tokenizer(tmp_path)
+
+
+def test_a_broken_tokenizer_json_file_is_named_with_where(tmp_path, tokenizer):
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"model_max_length": 512,')
+    with pytest.raises(CheckpointError, match=r"tokenizer_config.json: not valid JSON at line 1 column 26"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:01\n")
+    with pytest.raises(CheckpointError, match=r"tokenizer.json: a Git LFS pointer, not the file"):
+        load_tokenizer(tmp_path)

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tether.errors import CheckpointError
+from tether.errors import CheckpointError, unreadable_reason
 from tether.models.config import ModelConfig
 from tether.models.decoder import Decoder
 from tether.models.tokenizer import GENERIC_TOKENIZER_CLASSES, TOKENIZER_FILES
@@ -61,7 +61,7 @@ def _weight_files(directory: Path) -> tuple[Path, dict[str, Path]]:
             with safe_open(str(single), framework="pt") as handle:
                 return single, dict.fromkeys(handle.keys(), single)
         except Exception as error:  # safetensors raises its own error types for corrupt files
-            raise CheckpointError(f"{single}: cannot read safetensors ({type(error).__name__})") from None
+            raise CheckpointError(f"{single}: cannot read safetensors ({unreadable_reason(single, error)})") from None
     if not index_path.is_file():
         pickled = [name for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")
                    if (directory / name).is_file()]
@@ -112,7 +112,7 @@ def _read_tensors(
         except CheckpointError:
             raise
         except Exception as error:  # safetensors raises its own error types for corrupt files
-            raise CheckpointError(f"{file}: cannot read safetensors ({type(error).__name__})") from None
+            raise CheckpointError(f"{file}: cannot read safetensors ({unreadable_reason(file, error)})") from None
     return tensors
 
 
@@ -193,7 +193,7 @@ def generation_eos_ids(path: str | Path | None) -> tuple[int, ...]:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise CheckpointError(f"{file}: not a readable JSON file ({type(error).__name__})") from None
+        raise CheckpointError(f"{file}: not a readable JSON file ({unreadable_reason(file, error)})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
     ids = data.get("eos_token_id")

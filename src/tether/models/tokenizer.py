@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from tether.errors import CheckpointError
+from tether.errors import CheckpointError, unreadable_reason
 
 if TYPE_CHECKING:  # transformers is imported where it is used: ~1 s that most imports of tether skip
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -92,12 +92,29 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     # Without these, AutoTokenizer builds an empty tokenizer from config.json alone (vocabulary of 1).
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{directory}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        _check_json(directory / name)  # a broken one named, not "cannot load tokenizer (Expecting value...)"
     loader = PreTrainedTokenizerFast if _saved_class(directory) in GENERIC_TOKENIZER_CLASSES else AutoTokenizer
     try:
         return loader.from_pretrained(str(directory), local_files_only=True)
     except Exception as error:  # transformers raises OSError, ValueError, KeyError, ... here
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{directory}: cannot load tokenizer ({reason})") from None
+
+
+def _check_json(file: Path) -> None:
+    """A tokenizer's JSON file, if there, must parse: else a one-line error naming it and where."""
+    if not file.is_file():
+        return
+    try:
+        json.loads(file.read_bytes())
+    except json.JSONDecodeError as error:
+        reason = unreadable_reason(file, error)
+        if "LFS" not in reason:
+            reason = f"not valid JSON at line {error.lineno} column {error.colno}: {error.msg}"
+        raise CheckpointError(f"{file}: {reason}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{file}: not a readable JSON file ({unreadable_reason(file, error)})") from None
 
 
 def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, vocab_size: int, where: str | Path) -> None:
