@@ -575,6 +575,30 @@ def test_gpu_free_memory_counts_what_torch_caches_unused(monkeypatch):
     assert free_memory_bytes(torch.device("cuda", 0)) == 4 * gb
 
 
+@pytest.mark.parametrize(("cgroup", "files", "left"), [
+    ("0::/job.slice/run\n", {"job.slice/run/memory.max": "8589934592", "job.slice/run/memory.current": "1073741824"},
+     7 << 30),  # cgroup v2, a Slurm job's --mem
+    ("0::/\n", {"memory.max": "4294967296", "memory.current": "0"}, 4 << 30),  # inside a container: the root
+    ("0::/\n", {"memory.max": "max", "memory.current": "5"}, None),  # no limit
+    ("4:memory:/docker/abc\n3:cpu:/\n", {"memory/memory.limit_in_bytes": "2147483648",
+                                          "memory/memory.usage_in_bytes": "1073741824"}, 1 << 30),  # v1, root
+    ("4:memory:/x\n", {"memory/x/memory.limit_in_bytes": "9223372036854771712",
+                        "memory/x/memory.usage_in_bytes": "1"}, None),  # v1 "no limit"
+])
+def test_host_memory_for_the_pool_is_what_the_cgroup_leaves(tmp_path, cgroup, files, left):
+    """In a container (--memory) or a Slurm job (--mem) the host's free memory is not the process's:
+    the pool was sized from the host's and the run killed."""
+    from tether.engine.runner import cgroup_memory_left, meminfo_available
+
+    (tmp_path / "cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text + "\n")
+    assert cgroup_memory_left(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == left
+    (tmp_path / "meminfo").write_text("MemTotal:  100 kB\nMemFree:  10 kB\nMemAvailable:  60 kB\n")
+    assert meminfo_available(str(tmp_path / "meminfo")) == 60 * 1024  # the reclaimable cache counts
+
+
 def test_greedy_and_sampled_requests_share_a_batch(qwen2_path):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
     alone = make_engine(qwen2_path).generate([PROMPTS[0]], greedy)[0]

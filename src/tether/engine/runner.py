@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -89,11 +90,56 @@ class StepInput:
 def free_memory_bytes(device: torch.device) -> int:
     """Memory the KV pool may take on ``device``: on CUDA the driver's free memory once torch's caching
     allocator has handed back what it holds unused (a trainer in this process leaves memory reserved,
-    not free; segments that still hold a live tensor stay reserved, and the pool cannot use them)."""
+    not free; segments that still hold a live tensor stay reserved, and the pool cannot use them).
+    On the host: ``MemAvailable`` (free memory and the page cache the kernel can reclaim; ``MemFree``
+    left the cache out), and no more than the process's cgroup leaves (a container's ``--memory``, a
+    Slurm job's ``--mem``: the host's free memory was taken for the container's)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = meminfo_available() or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    left = cgroup_memory_left()
+    return available if left is None else min(available, left)
+
+
+def meminfo_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` in bytes, or None where there is no such file or line."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cgroup_memory_left(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) still
+    allows: its limit less its usage; None where it sets no limit. Its directory is looked up under
+    the path ``/proc/self/cgroup`` names, then at the mount's root (inside a container)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            mount, names = root, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            mount, names = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for directory in (os.path.join(mount, path.lstrip("/")), mount):
+            try:
+                limit, usage = (Path(directory, name).read_text().strip() for name in names)
+            except OSError:
+                continue
+            if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+                break
+            return max(int(limit) - int(usage), 0)
+    return None
 
 
 class ModelRunner:
