@@ -308,6 +308,8 @@ def test_stop_token_ids_from_a_line_and_the_command_line(model_dir, tmp_path):
     (["--device", "tpu"], "--device 'tpu': not a device (auto, cpu, cuda or cuda:N)"),
     (["--speculative", "ngram", "--draft-model", "{model}"], "--speculative ngram and --draft-model: give one"),
     (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1, got 0"),
+    (["--kv-cache-memory-fraction", "1.5"], "--kv-cache-memory-fraction must be in (0, 1], got 1.5"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
     (["--stop-token-id", "1000000"], "--stop-token-id 1000000: not in the model's vocabulary"),
     (["--output", "/dev/full"], "--output /dev/full: writing failed (No space left on device)"),
     pytest.param(["--device", "cuda"], "--device 'cuda': torch sees no CUDA device here",

@@ -57,6 +57,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (the first GPU torch sees, else the CPU), cpu, "
                    "cuda or cuda:N.")
+    p.add_argument("--kv-cache-bytes", type=int, help="KV memory in bytes (default: "
+                   "--kv-cache-memory-fraction of free memory); the pool never exceeds what the prompts "
+                   "and their samples can hold at once.")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.3,
+                   help="Share of free memory for the KV memory when --kv-cache-bytes is not given.")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="Samples decoding at once.")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

@@ -155,13 +155,18 @@ def _line(record: PromptRecord, path: str) -> str:
     return record.where or f"{path}:{record.index + 1}"
 
 
-def build_engine(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> LLMEngine:
+def build_engine(args: argparse.Namespace, tokenizer: Any, device: torch.device,
+                 max_kv_tokens: int | None = None) -> LLMEngine:
+    """The engine for the flags; ``max_kv_tokens`` (what the prompts and their samples can hold at
+    once) caps its pool: 3.5 GB of zeros for two prompts of a 124M model, before."""
     dtype = DTYPES[args.dtype]
     model = load_model(args.model, dtype=dtype, device=device)
     draft = load_model(args.draft_model, dtype=dtype, device=device) if args.draft_model else None
     speculative = "draft" if draft is not None else args.speculative
     config = EngineConfig(stop_token_ids=eos_token_ids(tokenizer, args.model), seed=args.seed, speculative=speculative,
-                          num_speculative_tokens=args.num_speculative_tokens, max_model_len=args.max_model_len)
+                          num_speculative_tokens=args.num_speculative_tokens, max_model_len=args.max_model_len,
+                          kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                          max_num_seqs=args.max_num_seqs, max_kv_tokens=max_kv_tokens)
     return LLMEngine(model, tokenizer=tokenizer, config=config, draft_model=draft)
 
 
@@ -191,7 +196,12 @@ def run_generate(args: argparse.Namespace) -> Path:
     _check_not_an_input(target, args)
     _check_writable(out, partial, is_regular)  # before generating: nothing computed is lost to a bad path
     prompt_ids = [_encode(tokenizer, r, args.prompts) for r in records]  # before the engine: a bad line fails fast
-    engine = build_engine(args, tokenizer, device)
+    # Every sample at its prompt + max_new_tokens (+ the speculative lookahead), in whole blocks.
+    lookahead = args.num_speculative_tokens if args.speculative or args.draft_model else 0
+    block = EngineConfig().block_size
+    max_kv_tokens = sum(p.n * -(-(len(ids) + p.max_new_tokens + lookahead) // block) * block
+                        for p, ids in zip(params, prompt_ids, strict=True))
+    engine = build_engine(args, tokenizer, device, max(max_kv_tokens, block))
     completions = engine.generate(prompt_ids, params)
     num_failed = sum(1 for c in completions if c.error)
     all_failed = bool(completions) and num_failed == len(completions)
@@ -228,6 +238,11 @@ def _check_flags(args: argparse.Namespace, vocab_size: int, context: int) -> Non
                           "own kind of speculative decoding)")
     if args.num_speculative_tokens < 1:
         raise TetherError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    if not 0 < args.kv_cache_memory_fraction <= 1:
+        raise TetherError(f"--kv-cache-memory-fraction must be in (0, 1], got {args.kv_cache_memory_fraction}")
+    for flag, value in (("--kv-cache-bytes", args.kv_cache_bytes), ("--max-num-seqs", args.max_num_seqs)):
+        if value is not None and value < 1:
+            raise TetherError(f"{flag} must be >= 1, got {value}")
     for token_id in args.stop_token_id:
         if not 0 <= token_id < vocab_size:
             raise TetherError(f"--stop-token-id {token_id}: not in the model's vocabulary [0, {vocab_size})")

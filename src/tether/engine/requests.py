@@ -90,7 +90,8 @@ def request_error(
     num_kv_tokens = min(len(prompt) + params.max_new_tokens, max_model_len) - 1
     num_blocks_needed = -(-num_kv_tokens // block_size)
     if num_blocks_needed > num_blocks:
-        return f"the KV of up to {num_kv_tokens} tokens needs {num_blocks_needed} KV blocks, the pool has {num_blocks}"
+        return (f"the KV of up to {num_kv_tokens} tokens needs {num_blocks_needed} KV blocks, the pool has "
+                f"{num_blocks} (engine.kv_cache_bytes or kv_cache_memory_fraction size it; or ask fewer tokens)")
     return None
 
 
