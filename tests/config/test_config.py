@@ -178,6 +178,23 @@ def test_override_without_key_or_equals(item):
     assert message.startswith(f"override {item!r}: expected KEY=VALUE")
 
 
+@pytest.mark.parametrize("item", [".lr=1", "trainer..lr=1", "trainer.=1"])
+def test_override_with_an_empty_key_part(item):
+    """It was blamed on the config file as "unknown key ''"."""
+    assert config_error(overrides=[item]).startswith(f"override {item!r}: an empty part in the key")
+
+
+def test_an_override_given_twice_on_the_command_line_is_refused(tmp_path):
+    """The last one won silently (Hydra refuses it); a program composing overrides may repeat one."""
+    from tether.recipes import run_train
+
+    with pytest.raises(ConfigError, match="^command line: trainer.lr is given twice; give it once$"):
+        run_train(str(write(tmp_path, "name: x\n")), ["trainer.lr=1e-3", "seed=1", "trainer.lr=5e-5"],
+                  out=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    assert load_config(None, ["trainer.lr=1e-3", "trainer.lr=5e-5"]).trainer.lr == 5e-5
+
+
 def test_overriding_a_leaf_from_yaml_as_a_section(tmp_path):
     path = write(tmp_path, "trainer:\n  lr: 0.1\n")
     message = config_error(path, ["trainer.lr.value=3"])

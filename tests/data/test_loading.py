@@ -51,6 +51,13 @@ def all_sources(tmp_path: Path, rows: list[dict]) -> dict[str, object]:
     }
 
 
+def test_a_data_file_suffix_in_capitals_is_read(tmp_path):
+    """data.JSONL or data.Parquet (a Windows export) was an unsupported data file type."""
+    upper = write_jsonl(tmp_path / "d.JSONL", PROMPT_ROWS)
+    assert load_prompts(upper) == load_prompts(write_jsonl(tmp_path / "d.jsonl", PROMPT_ROWS))
+    assert load_prompts(write_parquet(tmp_path / "d.Parquet", PROMPT_ROWS)) == load_prompts(upper)
+
+
 def test_prompt_sources_load_the_same_records(tmp_path):
     expected = [
         PromptRecord(r["prompt"], {"answer": r["answer"], "level": r["level"]}, i)

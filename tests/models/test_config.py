@@ -144,3 +144,11 @@ def test_bad_config_raises_one_line_checkpoint_error_naming_file_and_key(change,
     assert "\n" not in message
     assert message.startswith("/ckpt/config.json: ")
     assert needle in message
+
+
+def test_a_quantized_checkpoint_is_refused_up_front():
+    """Its qweight/scales tensors failed one by one as "unexpected tensor" for the architecture."""
+    hf = {**hf_dict("qwen2"), "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    with pytest.raises(CheckpointError, match=r"c.json: a quantized checkpoint \(quantization_config, "
+                                              r"quant_method='gptq'\) is not supported"):
+        ModelConfig.from_hf(hf, source="c.json")

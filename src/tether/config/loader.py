@@ -75,6 +75,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return validate(values, source=str(path) if path else "config", overrides=given)
 
 
+def refuse_repeated_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+    """A key given twice on a command line is refused, as Hydra does: which one was meant? (The last
+    won silently.) Programs composing overrides (a base list, then changes) call ``load_config``
+    without this check: there the last one wins."""
+    seen: set[str] = set()
+    for item in overrides:
+        key = parse_override(item)[0]
+        if key in seen:
+            raise ConfigError(f"command line: {key} is given twice; give it once")
+        seen.add(key)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -101,6 +113,8 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.lr=3e-4")
+    if not all(part.strip() for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: an empty part in the key {key.strip()!r}, e.g. trainer.lr=3e-4")
     try:
         value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:

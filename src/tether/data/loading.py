@@ -173,9 +173,9 @@ def read_rows(source: Source, *, split: str = "train") -> Iterator[Row]:
     path = Path(source)
     if path.is_dir():
         yield from _read_datasets_dir(path, split)
-    elif path.suffix == ".jsonl":
+    elif path.suffix.lower() == ".jsonl":  # data.JSONL too
         yield from _read_jsonl(path)
-    elif path.suffix == ".parquet":
+    elif path.suffix.lower() == ".parquet":
         yield from _read_parquet(path)
     elif path.exists():
         raise DataError(
@@ -277,8 +277,8 @@ def _find_bad_row(directory: Path) -> None:
     readers, whose errors name the file and line (``datasets`` names neither)."""
     readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
     for file in sorted(directory.rglob("*")):
-        if file.suffix in readers and file.is_file():
-            for _ in readers[file.suffix](file):
+        if file.suffix.lower() in readers and file.is_file():
+            for _ in readers[file.suffix.lower()](file):
                 pass
 
 

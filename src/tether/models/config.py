@@ -147,6 +147,11 @@ class ModelConfig:
         for key in _REQUIRED_KEYS:
             if hf.get(key) is None:
                 raise CheckpointError(f"{source}: missing required key {key!r}")
+        quantization = hf.get("quantization_config")
+        if quantization:  # its tensors (qweight, scales) would fail one by one as unexpected
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+            raise CheckpointError(f"{source}: a quantized checkpoint (quantization_config, quant_method={method!r}) "
+                                  "is not supported: use the unquantized weights (bfloat16 or float32)")
         known = _KNOWN_KEYS | set(_REQUIRED_KEYS)
         try:
             num_heads = int(hf["num_attention_heads"])

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.config import ExperimentConfig, load_config
+from tether.config.loader import refuse_repeated_overrides
 from tether.metrics import read_metrics
 from tether.runs import create_run_dir, release_run_dir
 
@@ -20,6 +21,7 @@ def _recipes() -> dict[str, Callable[[ExperimentConfig, Path], Any]]:
 
 
 def run_train(config_path: str, overrides: list[str], out: str | None = None) -> Any:
+    refuse_repeated_overrides(overrides)  # the user's command line
     config = load_config(config_path, overrides)
     if config.recipe == "grpo":
         from tether.recipes.grpo import start_generator_process_server
