@@ -195,3 +195,12 @@ def test_an_sft_reply_that_only_calls_a_tool_trains_on_the_call(char_tokenizer, 
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(DataError, match="tools.jsonl:1: .*must be a string"):
         load_sft(path)
+
+
+def test_a_chat_template_that_does_not_parse_is_the_checkpoints_fault(char_tokenizer):
+    """Not the data row's ("the chat template refuses this conversation"): the template is broken."""
+    from tether.errors import CheckpointError
+
+    tokenizer = with_template(char_tokenizer, "{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(CheckpointError, match=r"the tokenizer's chat template does not parse \(line 1: "):
+        tokenize_prompt(PromptRecord([{"role": "user", "content": "hi"}]), tokenizer)

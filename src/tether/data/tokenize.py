@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tether.data.records import PreferenceRecord, SFTRecord, Text
-from tether.errors import DataError, one_line
+from tether.errors import CheckpointError, DataError, one_line
 
 
 class Tokenizer(Protocol):
@@ -194,6 +194,10 @@ def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_gener
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as error:  # a template's raise_exception(...) ("System role not supported"), a missing key
+        if type(error).__name__ == "TemplateSyntaxError":  # jinja2's: the checkpoint's template, not the row
+            line = getattr(error, "lineno", "?")
+            raise CheckpointError(f"the tokenizer's chat template does not parse (line {line}: {one_line(error)}); "
+                                  "fix chat_template in the checkpoint") from None
         raise DataError(f"the chat template refuses this conversation ({type(error).__name__}: {one_line(error)})"
                         ) from None
     assert isinstance(text, str)
