@@ -57,6 +57,18 @@ def test_the_rollout_engines_kv_pool_holds_what_the_run_can_use(tmp_path, tiny_p
     assert rollout_kv_tokens(config, len("12+3=") + 1) == num_groups * 4 * blocks_per_seq * 16
 
 
+def test_a_pool_too_small_for_the_rollouts_is_warned_about_once(tmp_path, tiny_policy, capsys):
+    """Preemption keeps a short pool correct but slow, and nothing else shows it."""
+    model, tokenizer = tiny_policy
+    path = _prompts_file(tmp_path, SHORT)
+    build_generator_worker(_config(path, "engine.kv_cache_bytes=30000"), model, tokenizer)
+    [warning] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    # 12 sequences of 6 + 5 tokens: a block each
+    assert "the rollouts may need up to 192 at once" in warning and "raise engine.kv_cache_bytes" in warning
+    build_generator_worker(_config(path), model, tokenizer)  # 2 MB: room for all 12 sequences
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_no_prompt_that_fits_is_a_one_line_data_error(tmp_path, tiny_policy):
     model, tokenizer = tiny_policy
     config = _config(_prompts_file(tmp_path, ["1" * 100]))

@@ -234,9 +234,11 @@ def _report_first_failures(state: LoopState, components: Any, reported: set[str]
 def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
                      inputs: RunInputs | None = None) -> RLComponents:
     data, longest = _data_and_longest(config, model, tokenizer, inputs)
+    generator = build_generator(model, tokenizer, config.engine, checkpoint_of(config),
+                                max_kv_tokens=rollout_kv_tokens(config, longest))
+    _warn_if_the_pool_is_short(generator, config, longest)
     return RLComponents(
-        generator=build_generator(model, tokenizer, config.engine, checkpoint_of(config),
-                                  max_kv_tokens=rollout_kv_tokens(config, longest)),
+        generator=generator,
         trainer=build_trainer(config, model),
         rewards=inputs.rewards if inputs is not None else build_rewards(config, data.task),
         prompts=DataCursor(data.train, seed=config.seed),
@@ -247,22 +249,38 @@ def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
 
 
 def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
-                           inputs: RunInputs | None = None, *, owns_model: bool = False) -> GeneratorWorker:
+                           inputs: RunInputs | None = None, *, owns_model: bool = False,
+                           is_startup: bool = False) -> GeneratorWorker:
     """The generator role from config (``inputs``: the prompts and rewards when this process has
-    resolved them already; ``owns_model``: the engine may keep ``model`` rather than copy it)."""
+    resolved them already; ``owns_model``: the engine may keep ``model`` rather than copy it;
+    ``is_startup``: the trainer's worker that generates until the generator process is ready)."""
     data, longest = _data_and_longest(config, model, tokenizer, inputs)
     r = config.rollout
     settings = GeneratorSettings(
         sampling=sampling_params(config, tokenizer), groups_per_batch=r.prompts_per_step,
         max_staleness=max_staleness(config), num_extra_groups=r.oversample,
         is_partial_rollouts=is_partial_rollouts(config), is_dynamic_sampling=r.dynamic_sampling)
+    engine = build_generator(model, tokenizer, config.engine, checkpoint_of(config), owns_model=owns_model,
+                             max_kv_tokens=rollout_kv_tokens(config, longest))
+    if not is_startup:  # the start-up worker lives seconds; the process's engine is the one that counts
+        _warn_if_the_pool_is_short(engine, config, longest)
     return GeneratorWorker(
-        build_generator(model, tokenizer, config.engine, checkpoint_of(config), owns_model=owns_model,
-                        max_kv_tokens=rollout_kv_tokens(config, longest)),
+        engine,
         DataCursor(data.train, seed=config.seed),
         inputs.rewards if inputs is not None else build_rewards(config, data.task),
         lambda record: tokenize_prompt(record, tokenizer),
         functools.partial(completion_text, tokenizer), settings)
+
+
+def _warn_if_the_pool_is_short(engine: Any, config: ExperimentConfig, longest_prompt: int) -> None:
+    """One line when the KV pool cannot hold every sequence the rollouts may run at once: they are
+    preempted and recomputed (correct, slower), which nothing else would show."""
+    need = rollout_kv_tokens(config, longest_prompt)
+    have = engine.block_manager.num_blocks * engine.config.block_size
+    if have < need:
+        print(f"warning: the KV pool holds {have} tokens; the rollouts may need up to {need} at once (their "
+              "sequences at the longest prompt + rollout.max_new_tokens): some will be preempted and recomputed, "
+              "which is slower; raise engine.kv_cache_bytes or engine.kv_cache_memory_fraction", file=sys.stderr)
 
 
 def build_process_generator_worker(config: ExperimentConfig, model_config: ModelConfig, device: torch.device,
@@ -310,7 +328,8 @@ def build_async_components(config: ExperimentConfig, model: Any, tokenizer: Any,
                                   wait_for_handover=r.generate_during_boot)
         # Started first, so that it boots while the trainer's process builds its own worker.
         try:
-            transport = (HandoverTransport(build_generator_worker(config, model, tokenizer, inputs), remote)
+            transport = (HandoverTransport(build_generator_worker(config, model, tokenizer, inputs, is_startup=True),
+                                           remote)
                          if r.generate_during_boot else remote)
             trainer = build_trainer(config, model)
         except BaseException:
