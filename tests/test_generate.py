@@ -195,6 +195,12 @@ def test_output_that_is_an_input_is_refused(model_dir, tmp_path, output):
     what = "a file of --model" if output.startswith("MODEL") else "the --prompts file"
     assert result.returncode == 2 and f"--output {target}: is {what}" in result.stderr
     assert Path(target).read_text() == before
+    if output.startswith("MODEL"):  # samples kept beside the checkpoint may be written again
+        for _ in range(2):
+            result = _run(["--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "2",
+                           "--output", str(model_dir / "samples.jsonl")], tmp_path)
+            assert result.returncode == 0, result.stderr
+        (model_dir / "samples.jsonl").unlink()
 
 
 def test_lines_without_a_seed_sample_with_their_own(model_dir, tmp_path):

@@ -24,9 +24,8 @@ import torch
 from tether.builders import build_generator, build_model_and_tokenizer, build_prompt_data, eos_token_ids
 from tether.config import ExperimentConfig, load_config
 from tether.data.tokenize import tokenize_prompt
-from tether.engine.sampler import completion_text
 from tether.evaluation import AccuracyResult, evaluate_accuracy
-from tether.recipes.grpo import run_grpo, start_generator_process_server
+from tether.recipes.grpo import reward_text, run_grpo, start_generator_process_server
 from tether.recipes.sft import run_sft
 from tether.runs import claim_new_run_dir, create_run_dir, release_run_dir
 
@@ -64,7 +63,7 @@ def held_out_accuracy(model: torch.nn.Module, tokenizer, config: ExperimentConfi
     assert data.task is not None
     return evaluate_accuracy(
         build_generator(model, tokenizer, config.engine), data.eval, lambda r: tokenize_prompt(r, tokenizer),
-        functools.partial(completion_text, tokenizer), data.task.is_correct,
+        functools.partial(reward_text, tokenizer), data.task.is_correct,
         max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=eos_token_ids(tokenizer))
 
 

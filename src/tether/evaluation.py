@@ -21,11 +21,11 @@ class AccuracyResult:
 
 
 def evaluate_accuracy(generator: Generator, records: Sequence[PromptRecord],
-                      encode: Callable[[PromptRecord], list[int]], decode: Callable[[list[int], list[int]], str],
+                      encode: Callable[[PromptRecord], list[int]], decode: Callable[[list[int]], str],
                       is_correct: Callable[..., Any], *, max_new_tokens: int,
                       stop_token_ids: tuple[int, ...] = ()) -> AccuracyResult:
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
     completions = generator.generate([encode(r) for r in records], params)
-    num_correct = sum(bool(is_correct(decode(c.prompt_ids, c.token_ids), **records[c.prompt_index].fields))
+    num_correct = sum(bool(is_correct(decode(c.token_ids), **records[c.prompt_index].fields))
                       for c in completions)
     return AccuracyResult(num_correct, len(records))

@@ -249,14 +249,15 @@ def _check_flags(args: argparse.Namespace, vocab_size: int, context: int) -> Non
 
 
 def _check_not_an_input(target: Path, args: argparse.Namespace) -> None:
-    """``--output`` must not be the prompts file or a file of the model's (or draft's) directory: it
-    replaced the prompts with completions, or a checkpoint's config.json, exit 0."""
+    """``--output`` must not be the prompts file or a checkpoint file of the model's (or draft's)
+    directory: it replaced the prompts with completions, or a config.json, exit 0 (an earlier output
+    kept there, a ``.jsonl``, may be written again)."""
     if not target.exists():
         return
     inputs = [("the --prompts file", Path(args.prompts))]
     for flag, directory in (("--model", args.model), ("--draft-model", args.draft_model)):
         if directory and Path(directory).is_dir():
-            inputs += [(f"a file of {flag}", path) for path in Path(directory).iterdir()]
+            inputs += [(f"a file of {flag}", path) for path in Path(directory).iterdir() if path.suffix != ".jsonl"]
     for what, path in inputs:
         if path.exists() and os.path.samefile(target, path):
             raise TetherError(f"--output {args.output}: is {what}; write the samples elsewhere")

@@ -454,6 +454,31 @@ def test_a_reward_that_cannot_be_called_per_sample_is_refused_before_the_run(fn,
     check_called_per_sample(max, "max", {})  # no signature to read: its calls will tell
 
 
+def _per_sample_adapter(batched):
+    """A TRL batched reward wrapped per sample: its signature is the wrapper's, not the wrapped one's."""
+    import functools
+
+    @functools.wraps(batched)
+    def reward(prompt, completion, **fields):
+        return batched([completion], **{k: [v] for k, v in fields.items()})[0]
+
+    return reward
+
+
+def test_rewards_that_work_at_run_time_pass_the_check():
+    """A `completion` column (TRL's tldr rows) is not passed twice, as RewardComputer leaves it out;
+    a functools.wraps adapter is judged by its own signature; a field any row has may be required."""
+    def length(prompt, completion, **fields):
+        return float(len(completion))
+
+    check_called_per_sample(length, "f", {"completion": "a reference summary"})
+    assert RewardComputer([WeightedReward("f", length)]).score(["p"], ["abc"], [{"completion": "x"}]).totals == [3.0]
+    check_called_per_sample(_per_sample_adapter(_trl_batched), "f", {"solution": "4"})
+    mixture = dict.fromkeys(["tests", "answer"])  # a code row's field and a math row's, whichever comes first
+    check_called_per_sample(lambda prompt, completion, answer=None, **fields: 1.0, "f", mixture)
+    check_called_per_sample(lambda prompt, completion, answer, **fields: 1.0, "f", mixture)
+
+
 def test_a_grpo_run_with_a_trl_style_reward_stops_before_its_first_step(tmp_path):
     from tether.builders import build_model_and_tokenizer
     from tether.config import load_config

@@ -294,10 +294,11 @@ def _has_stop_string(seq: Sequence, tokenizer: Detokenizer) -> bool:
 
 def completion_text(tokenizer: Detokenizer, prompt_ids: list[int], token_ids: list[int]) -> str:
     """A completion's text as it reads after its prompt, special tokens left out: the text stop
-    strings are matched in, ``tether generate`` writes and reward functions receive (vLLM's output
-    text). It differs from ``tokenizer.decode(token_ids)`` only where the prompt gives context: a
-    SentencePiece tokenizer (Llama 2, Mistral) drops the word-start space of a text's first token, so
-    a completion " Answer" decoded alone reads "Answer"."""
+    strings are matched in and ``tether generate`` writes (vLLM's output text; reward functions get
+    the ids decoded alone, as in TRL: ``recipes.grpo.reward_text``). It differs from
+    ``tokenizer.decode(token_ids)`` only where the prompt gives context: a SentencePiece tokenizer
+    (Llama 2, Mistral) drops the word-start space of a text's first token, so a completion " Answer"
+    decoded alone reads "Answer"."""
     return _text_after(tokenizer, prompt_ids, token_ids)
 
 

@@ -37,7 +37,6 @@ from tether.data.records import PromptRecord
 from tether.data.tokenize import tokenize_prompt
 from tether.engine.config import EngineConfig
 from tether.engine.requests import resolve_max_model_len
-from tether.engine.sampler import completion_text
 from tether.engine.types import SamplingParams
 from tether.errors import ConfigError, DataError, TetherError
 from tether.metrics import MetricsWriter
@@ -187,6 +186,14 @@ class RunInputs:
     longest_prompt: int  # tokens: with the rollout settings, the most KV the engine can hold
 
 
+def reward_text(tokenizer: Any, token_ids: list[int]) -> str:
+    """The completion text reward functions get: its ids decoded alone, special tokens left out, as
+    TRL and verl give it (a format reward ported from them, ``^<think>``, matches the same text). It
+    can differ from the text stop strings match and ``tether generate`` writes (``completion_text``,
+    vLLM's) by the first word's space under a Llama 2 or Mistral tokenizer."""
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
 def _data_and_longest(config: ExperimentConfig, model: Any, tokenizer: Any,
                       inputs: RunInputs | None) -> tuple[PromptData, int]:
     if inputs is not None:
@@ -201,8 +208,9 @@ def check_run_inputs(config: ExperimentConfig, model: Any, tokenizer: Any) -> Ru
     skipped prompts are reported once. The components built in this process reuse the result."""
     data, skipped, longest = rl_prompt_data(config, model, tokenizer)
     rewards = build_rewards(config, data.task)  # imports the user's reward modules, once here
+    field_names = dict.fromkeys(key for record in data.train for key in record.fields)  # of every row
     for index, (spec, reward) in enumerate(zip(config.rewards, rewards.rewards, strict=True)):
-        check_called_per_sample(reward.fn, f"rewards.{index}.fn={spec.fn}", data.train[0].fields)
+        check_called_per_sample(reward.fn, f"rewards.{index}.fn={spec.fn}", field_names)
     if skipped:
         context = engine_context_len(config, model)
         print(f"warning: {_train_source(config)}: skipped {len(skipped)} of {len(skipped) + len(data.train)} "
@@ -243,7 +251,7 @@ def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
         rewards=inputs.rewards if inputs is not None else build_rewards(config, data.task),
         prompts=DataCursor(data.train, seed=config.seed),
         encode=lambda record: tokenize_prompt(record, tokenizer),
-        decode=functools.partial(completion_text, tokenizer),
+        decode=functools.partial(reward_text, tokenizer),
         advantage_fn=ADVANTAGES.get(config.algorithm.advantage),
         sampling=sampling_params(config, tokenizer), prompts_per_step=config.rollout.prompts_per_step)
 
@@ -269,7 +277,7 @@ def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
         DataCursor(data.train, seed=config.seed),
         inputs.rewards if inputs is not None else build_rewards(config, data.task),
         lambda record: tokenize_prompt(record, tokenizer),
-        functools.partial(completion_text, tokenizer), settings)
+        functools.partial(reward_text, tokenizer), settings)
 
 
 def _warn_if_the_pool_is_short(engine: Any, config: ExperimentConfig, longest_prompt: int) -> None:

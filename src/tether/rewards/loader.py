@@ -71,14 +71,17 @@ def resolve_reward(spec: str, builtins: Mapping[str, RewardFn] | None = None) ->
 
 def check_called_per_sample(fn: RewardFn, spec: str, fields: Mapping[str, Any]) -> None:
     """Refuse, before a run, a reward that cannot be called ``fn(prompt, completion, **fields)`` with
-    a data row's ``fields``: every call would raise, score 0, and the run would train on nothing
-    (TRL's batched ``reward_fn(completions, **kwargs)`` did, exit 0). A class is refused too."""
+    the data's ``fields`` (every field name any row has: a task mixture's rows differ): every call
+    would raise, score 0, and the run would train on nothing (TRL's batched
+    ``reward_fn(completions, **kwargs)`` did, exit 0). A class is refused too."""
     if isinstance(fn, type):
         raise ConfigError(f"rewards: {spec} is a class; name a function (prompt, completion, **fields) -> float")
-    try:
-        signature = inspect.signature(fn)
+    try:  # the function's own signature, not a @functools.wraps adapter's wrapped one
+        signature = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin without a signature: its calls will tell
         return
+    # As ``RewardComputer`` calls it: columns named like the positional arguments are not passed.
+    fields = {key: value for key, value in fields.items() if key not in ("prompt", "completion")}
     try:
         signature.bind("", "", **fields)
     except TypeError as error:

@@ -86,7 +86,7 @@ class InFlightGroup:
 
 class GeneratorWorker:
     def __init__(self, engine: IncrementalGenerator, prompts: DataCursor[PromptRecord], rewards: RewardComputer,
-                 encode: Callable[[PromptRecord], list[int]], decode: Callable[[list[int], list[int]], str],
+                 encode: Callable[[PromptRecord], list[int]], decode: Callable[[list[int]], str],
                  settings: GeneratorSettings) -> None:
         self.engine = engine
         self.prompts = prompts
@@ -216,7 +216,7 @@ class GeneratorWorker:
             self.counters.num_failed += 1
             self.counters.first_failure = self.counters.first_failure or f"record {group.record.index}: {failed.error}"
             return None
-        texts = [self.decode(c.prompt_ids, c.token_ids) for c in completions]
+        texts = [self.decode(c.token_ids) for c in completions]
         record = group.record
         num = len(completions)
         scores = self.rewards.score([record.prompt] * num, texts, [record.fields] * num)

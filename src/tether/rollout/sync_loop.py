@@ -55,7 +55,7 @@ class RLComponents:
     rewards: RewardComputer
     prompts: DataCursor[PromptRecord]
     encode: Callable[[PromptRecord], list[int]]  # prompt record -> token ids
-    decode: Callable[[list[int], list[int]], str]  # (prompt ids, completion ids) -> text for reward functions
+    decode: Callable[[list[int]], str]  # completion ids -> text for reward functions (decoded alone, as TRL)
     advantage_fn: Callable[..., torch.Tensor]  # registry entry: (rewards[B], group_size, lengths=[B]) -> [B]
     sampling: SamplingParams  # with n = group size
     prompts_per_step: int
@@ -114,7 +114,7 @@ def rl_step(c: RLComponents, state: LoopState) -> tuple[dict[str, Any], list[dic
                                f"(step {state.step + 1}); first failure: {state.first_failure}")
         return rl_step(c, state)
     state.num_empty_draws = 0
-    texts = [c.decode(comp.prompt_ids, comp.token_ids) for comp in completions]
+    texts = [c.decode(comp.token_ids) for comp in completions]
     rows = [records[comp.prompt_index] for comp in completions]
 
     scored = c.rewards.score([r.prompt for r in rows], texts, [r.fields for r in rows])  # score

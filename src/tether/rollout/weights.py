@@ -135,7 +135,8 @@ def decoder_from_weights(config: ModelConfig, weights: SharedWeights, device: to
     tensors = {}
     for name, view in views:
         tensor = view.to(device)
-        tensors[name] = tensor.clone() if tensor.is_shared() else tensor  # never the bucket's memory
+        is_bucket = tensor.device.type == "cpu" and tensor.is_shared()  # fp32 on the CPU: a view of it
+        tensors[name] = tensor.clone() if is_bucket else tensor
     weights.ack(version)
     with torch.device("meta"):  # no random init: every parameter is replaced
         model = Decoder(config)
