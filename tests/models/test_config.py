@@ -129,7 +129,11 @@ def test_list_of_eos_ids_round_trips():
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'low_freq_factor'"),
         ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
-        ({"num_attention_heads": "four"}, "bad value"),  # values of the wrong type, parsed before the rest
+        ({"num_attention_heads": "four"}, "num_attention_heads must be an integer >= 1, got 'four'"),
+        ({"vocab_size": 100.7}, "vocab_size must be an integer >= 1, got 100.7"),  # was cut to 100
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1, got 0"),  # was a default
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),  # was True
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope scaling factor must be a number > 0"),
         ({"rope_theta": "big"}, "bad value"),
         ({"rope_parameters": [1, 2], "rope_theta": None}, "bad value"),
         ({"model_type": "qwen2", "sliding_window": "x", "use_sliding_window": True}, "bad value"),

@@ -154,7 +154,7 @@ class ModelConfig:
                                   "is not supported: use the unquantized weights (bfloat16 or float32)")
         known = _KNOWN_KEYS | set(_REQUIRED_KEYS)
         try:
-            num_heads = int(hf["num_attention_heads"])
+            num_heads = _count(hf, "num_attention_heads")
             rope_theta, rope_scaling = _parse_rope(hf, source)
             bias = _parse_biases(model_type, hf)
             window, window_layers = _parse_sliding_window(model_type, hf)
@@ -162,23 +162,21 @@ class ModelConfig:
             eos = hf.get("eos_token_id", default_eos)
             return cls(
                 model_type=model_type,
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=int(hf["hidden_size"]),
-                intermediate_size=int(hf["intermediate_size"]),
-                num_hidden_layers=int(hf["num_hidden_layers"]),
+                vocab_size=_count(hf, "vocab_size"),
+                hidden_size=_count(hf, "hidden_size"),
+                intermediate_size=_count(hf, "intermediate_size"),
+                num_hidden_layers=_count(hf, "num_hidden_layers"),
                 num_attention_heads=num_heads,
-                num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+                num_key_value_heads=_count(hf, "num_key_value_heads", num_heads),
                 head_dim=_parse_head_dim(model_type, hf, num_heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
-                max_position_embeddings=int(
-                    hf.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]
-                ),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                max_position_embeddings=_count(hf, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type]),
+                tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
                 qkv_bias=bias[0],
                 o_bias=bias[1],
-                mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+                mlp_bias=_flag(hf, "mlp_bias") if model_type == "llama" else False,
                 qk_norm=model_type == "qwen3",
                 sliding_window=window,
                 sliding_window_layers=window_layers,
@@ -306,6 +304,27 @@ def _parse_sliding_window(model_type: str, hf: dict[str, Any]) -> tuple[int | No
     return int(window), layers
 
 
+def _count(hf: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A size or count of ``config.json``: an integer >= 1 (an integral float as JSON may write it);
+    absent or null: ``default``. A string, a fraction or 0 is an error, not truncated or defaulted."""
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise CheckpointError(f"{key} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _flag(hf: dict[str, Any], key: str) -> bool:
+    """A true/false of ``config.json`` (absent or null: false); the string "false" is an error, not True."""
+    value = hf.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
 def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from ``rope_parameters`` (5.x) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -338,6 +357,8 @@ def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | N
     factor = params.get("factor")
     if factor is None:  # yarn without a factor: the context extension ratio, as transformers does
         factor = (hf.get("max_position_embeddings") or original) / original
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise CheckpointError(f"{source}: rope scaling factor must be a number > 0, got {factor!r}")
     return theta, RopeScaling(
         rope_type=rope_type,
         factor=float(factor),
