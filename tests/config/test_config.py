@@ -99,8 +99,19 @@ def test_override_replaces_a_yaml_section_value_without_dropping_siblings(tmp_pa
 
 def test_parse_override_reads_exponent_floats_as_numbers():
     assert parse_override("trainer.lr=3e-4") == ("trainer.lr", 3e-4)
-    config = load_config(None, ["data.task_options={scale: 3e-4}"])
-    assert config.data.task_options["scale"] == pytest.approx(3e-4)
+    config = load_config(None, ["data.task_options={heldout_fraction: 2e-1}"])
+    assert config.data.task_options["heldout_fraction"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("data.task_options={bogus: 1}", "command line: data.task_options.bogus: task 'arith' has no such option; "
+                                     "its options: num_digits, "),
+    ("data.task_options={num_digits: 2.5}", "command line: data.task_options.num_digits: task 'arith' needs int"),
+    ("data.task=nope", "command line: data.task='nope': unknown task; available: arith, copy"),
+])
+def test_task_and_options_are_checked_with_the_config(override, expected):
+    """Before a model is built (an unknown option failed after it, naming the task's class)."""
+    assert config_error(overrides=[override]).startswith(expected)
 
 
 # --- one-line errors naming the key -------------------------------------------------------------
@@ -258,11 +269,12 @@ def test_a_string_that_looks_like_a_number_survives_the_saved_config(tmp_path, n
 
 
 def test_task_option_of_the_wrong_type_is_a_config_error():
-    from tether.builders import build_task
+    from tether.data.tasks import get_task
 
-    config = load_config(None, ["data.task_options.num_digits=2.5"])
+    assert "data.task_options.num_digits: task 'arith' needs int, got 2.5" in config_error(
+        overrides=["data.task_options.num_digits=2.5"])
     with pytest.raises(ConfigError, match=r"data.task_options.num_digits: task 'arith' needs int, got 2.5"):
-        build_task(config.data)
+        get_task("arith", num_digits=2.5)  # built from Python, checked the same
 
 
 def test_a_list_as_a_yaml_key_is_a_config_error(tmp_path):

@@ -193,8 +193,8 @@ def describe_error(err: dict[str, Any]) -> str:
     if kind in _EXPECTED:
         return f"{key}: expected {_EXPECTED[kind]}, got {_short(given)}"
     message = err["msg"].removeprefix("Value error, ")
-    if not key:  # a check across sections names its keys itself; the input is the whole config
-        return message
+    if not key or (kind == "value_error" and isinstance(given, dict) and f"{key}." in message):
+        return message  # a check across keys (of the config, of a section) that names its keys itself
     return f"{key}: {message}, got {_short(given)}"
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 
 from tether.algorithms import ADVANTAGES, AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
 from tether.config.unread import refuse_unread_settings
+from tether.data.tasks import check_task_options
 from tether.engine.types import MAX_TOP_K, MIN_TEMPERATURE
 from tether.errors import ConfigError
 from tether.rewards.loader import reward_file
@@ -115,6 +116,11 @@ class DataSection(Section):
         if self.task is not None and self.train is not None:
             raise ValueError(f"data.task={self.task!r} and data.train={self.train!r} are both set; "
                              "set data.task: null to train on data.train")
+        if self.task is not None:  # before a model is built: an unknown task or option
+            try:
+                check_task_options(self.task, self.task_options)
+            except ConfigError as error:
+                raise ValueError(str(error)) from None
         return self
 
     train: HomePath | None = Field(

@@ -19,6 +19,7 @@ Completions never contain an end-of-sequence marker: tokenisation appends eos.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import string
@@ -281,13 +282,23 @@ def get_task(name: str, **kwargs: Any) -> Task:
         raise ConfigError(f"task '{name}': {e}") from None
 
 
+def check_task_options(name: str, options: dict[str, Any]) -> None:
+    """The config's check of ``data.task``/``data.task_options``, before anything is built."""
+    if name not in TASKS:
+        raise ConfigError(f"data.task={name!r}: unknown task; available: {', '.join(task_names())}")
+    _check_option_types(name, TASKS[name], options)
+
+
 def _check_option_types(name: str, cls: type, kwargs: dict[str, Any]) -> None:
-    """``data.task_options`` come untyped from YAML: each must be of its task field's type (pydantic
-    strict mode: no bool for an int, no 2.5 for an int; an int for a float is fine)."""
+    """``data.task_options`` come untyped from YAML: each must be one of the task's options, of its
+    field's type (pydantic strict mode: no bool for an int, no 2.5 for an int; an int for a float is
+    fine)."""
     hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init] if dataclasses.is_dataclass(cls) else list(hints)
     for key, value in kwargs.items():
-        if key not in hints:
-            continue  # an unknown option: the task's own constructor names it
+        if key not in names:
+            raise ConfigError(f"data.task_options.{key}: task '{name}' has no such option; "
+                              f"its options: {', '.join(names)}")
         try:
             pydantic.TypeAdapter(hints[key]).validate_python(value, strict=True)
         except pydantic.ValidationError:
