@@ -14,7 +14,7 @@ trainer writes, and the trainer never writes while the generator reads.
 
 The buckets start out holding the weights they were made from, published as version 0 and not yet
 acknowledged: the generator process builds its model from them (``decoder_from_weights``), so no
-pickled copy of the model travels to it (one stayed alive in each process for the whole run).
+pickled copy of the model travels to it (one stayed alive in that process beside the engine's own).
 """
 
 from __future__ import annotations
