@@ -67,6 +67,9 @@ def test_a_pool_too_small_for_the_rollouts_is_warned_about_once(tmp_path, tiny_p
     assert "the rollouts may need up to 192 at once" in warning and "raise engine.kv_cache_bytes" in warning
     build_generator_worker(_config(path), model, tokenizer)  # 2 MB: room for all 12 sequences
     assert "warning" not in capsys.readouterr().err
+    # 6 blocks hold the 4 sequences engine.max_num_seqs lets run at once: nothing is preempted
+    build_generator_worker(_config(path, "engine.kv_cache_bytes=30000", "engine.max_num_seqs=4"), model, tokenizer)
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_no_prompt_that_fits_is_a_one_line_data_error(tmp_path, tiny_policy):

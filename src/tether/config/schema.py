@@ -152,15 +152,18 @@ class AlgorithmSection(Section):
                              "`rollout.mode=sync`, decoupled_ppo when async.")
     proximal: Literal["recompute", "loglinear", "bypass"] = Field(
         "recompute", description="Proximal log-probs of decoupled PPO: `recompute` (trainer weights before "
-        "the update; free with one epoch), `loglinear` (interpolated by version, no forward), `bypass` "
-        "(the engine's behaviour log-probs: plain PPO over them).")
+        "the update; free with one epoch unless a masking correction, `mis_*` or `geo_mask`, is on), "
+        "`loglinear` (interpolated by version, no forward but one per epoch for a masking correction), "
+        "`bypass` (the engine's behaviour log-probs: plain PPO over them).")
     loss_agg: str = Field("token_mean", description="How per-token losses become a scalar, by name.")
     clip_low: float = Field(0.2, ge=0, description="PPO clip range below 1 (ratio >= 1 - clip_low).")
     clip_high: float = Field(0.2, ge=0, description="PPO clip range above 1 (ratio <= 1 + clip_high).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term; 0 disables. "
                            "The KL compares the policy and reference at the sampling temperature, without "
                            "top-k/top-p.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the loss term.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the loss term: `k3` "
+                                                    "(GRPO's) or `k2`; `k1` is refused as a loss term (its "
+                                                    "expected gradient is 0).")
     epochs_per_batch: int = Field(1, ge=1, description="Optimizer passes over each rollout batch.")
     correction: str = Field("none", description="Off-policy correction (tis_token, tis_seq, mis_token, "
                             "mis_seq, geo_mask, none), by registry name.")
@@ -324,7 +327,9 @@ class LoggingSection(Section):
 
 
 class RewardSpec(Section):
-    fn: str = Field(description="A built-in reward name, `module:function`, or `path/file.py:function`.")
+    fn: str = Field(description="A built-in reward name, `module:function`, or `path/file.py:function`; "
+                    "called once per sample as f(prompt, completion, **fields) (take `**fields`: every "
+                    "field of the data is passed); one that cannot be called so is refused before the run.")
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
     name: str | None = Field(None, description="Its name in metrics (`reward/<name>/mean`) and error reports. "
                              "Default: `fn`; for a file, its stem and the function (`path/checks.py:fmt` -> "

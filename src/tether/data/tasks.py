@@ -294,7 +294,8 @@ def _check_option_types(name: str, cls: type, kwargs: dict[str, Any]) -> None:
     field's type (pydantic strict mode: no bool for an int, no 2.5 for an int; an int for a float is
     fine)."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init] if dataclasses.is_dataclass(cls) else list(hints)
+    names = ([f.name for f in dataclasses.fields(cls) if f.init and f.name != "name"] if dataclasses.is_dataclass(cls)
+             else list(hints))
     for key, value in kwargs.items():
         if key not in names:
             raise ConfigError(f"data.task_options.{key}: task '{name}' has no such option; "

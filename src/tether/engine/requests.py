@@ -91,7 +91,8 @@ def request_error(
     num_blocks_needed = -(-num_kv_tokens // block_size)
     if num_blocks_needed > num_blocks:
         return (f"the KV of up to {num_kv_tokens} tokens needs {num_blocks_needed} KV blocks, the pool has "
-                f"{num_blocks} (engine.kv_cache_bytes or kv_cache_memory_fraction size it; or ask fewer tokens)")
+                f"{num_blocks} (the KV memory budget sizes it: engine.kv_cache_bytes, or tether generate's "
+                "--kv-cache-bytes; or ask fewer tokens)")
     return None
 
 

@@ -166,10 +166,12 @@ def rollout_kv_tokens(config: ExperimentConfig, longest_prompt: int) -> int:
     """The most KV tokens the run's rollouts hold at once, which caps the engine's pool
     (``EngineConfig.max_kv_tokens``): every sequence that may be running (the groups started within
     the staleness window and over-sampling, times the group size) at the longest prompt plus
-    ``rollout.max_new_tokens``, in whole blocks. Sharing a group's prompt only lowers it. The pool
+    ``rollout.max_new_tokens``, in whole blocks, and no more sequences than ``engine.max_num_seqs``.
+    Sharing a group's prompt only lowers it. The pool
     was sized from free memory alone: 3.2 GB of zeros for a run that needed 60 tokens of KV."""
     r, block = config.rollout, config.engine.block_size
     num_seqs = ((max_staleness(config) + 1) * r.prompts_per_step + r.oversample) * r.group_size
+    num_seqs = min(num_seqs, config.engine.max_num_seqs)  # the most the scheduler runs at once
     return num_seqs * -(-(longest_prompt + r.max_new_tokens) // block) * block
 
 
