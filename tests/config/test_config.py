@@ -523,8 +523,16 @@ def test_a_scratch_shape_given_with_a_checkpoint_is_refused(source):
     """The checkpoint's config.json sets the shape: `model.scratch.num_layers=12` would be ignored."""
     message = config_error(overrides=[source, "model.scratch.num_layers=12"])
     assert "model.scratch.num_layers=12 is not read with" in message and source.split("=")[0] in message
+    assert "or reset it with 'model.scratch={}'" in message  # a saved config.yaml holds the shape
     load_config(None, [source])
     load_config(None, ["model.scratch.num_layers=12"])
+    load_config(None, ["model.scratch.num_layers=12", source, "model.scratch={}"])
+
+
+def test_a_directory_given_as_the_config_points_at_its_config_yaml(tmp_path):
+    (tmp_path / "config.yaml").write_text("name: x\n")
+    assert config_error(tmp_path) == f"{tmp_path} is a directory, not a config file; did you mean " \
+                                     f"{tmp_path / 'config.yaml'}?"
 
 
 def test_the_demos_grpo_stage_config_reruns_alone(tmp_path):

@@ -108,6 +108,23 @@ def checkpoint(tmp_path):
     return make_hf_checkpoint(tmp_path / "ckpt", "qwen2", with_tokenizer=False)
 
 
+def test_saved_weights_are_as_readable_as_the_config(tmp_path, checkpoint):
+    """safetensors writes 0600: another user, or a vLLM container of another uid, could not read them."""
+    model = load_model(checkpoint)
+    for shard_bytes in (None, 40_000):
+        saved = save_model(model, tmp_path / f"out{shard_bytes}", max_shard_bytes=shard_bytes)
+        mode = (saved / "config.json").stat().st_mode & 0o777
+        assert {f.stat().st_mode & 0o777 for f in saved.glob("*.safetensors")} == {mode}
+
+
+def test_a_run_directory_given_as_a_checkpoint_names_its_final(tmp_path, checkpoint):
+    """`tether generate --model runs/x` said "runs/x/config.json: file not found"."""
+    run = tmp_path / "run"
+    run.mkdir()
+    checkpoint.rename(run / "final")
+    assert_one_line_error(run, "run", f"is a run directory; its checkpoint is {run / 'final'}")
+
+
 def test_missing_directory_or_config(tmp_path, checkpoint):
     assert_one_line_error(tmp_path / "nope", "nope", "does not exist")
     (checkpoint / "config.json").unlink()

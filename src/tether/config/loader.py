@@ -89,6 +89,9 @@ def refuse_repeated_overrides(overrides: list[str] | tuple[str, ...]) -> None:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        hint = f"; did you mean {path / 'config.yaml'}?" if (path / "config.yaml").is_file() else ""
+        raise ConfigError(f"{path} is a directory, not a config file{hint}")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

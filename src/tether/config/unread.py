@@ -57,7 +57,8 @@ def refuse_unread_settings(c: Any) -> None:
     source = f"init_from={c.init_from!r}" if c.init_from is not None else f"model.path={c.model.path!r}"
     if (c.init_from is not None or c.model.path is not None) and (setting := changed(c, "model.scratch")):
         raise ValueError(f"{setting} is not read with {source}: the model's shape is the checkpoint's "
-                         "(model.scratch shapes a model built from scratch); leave it out")
+                         "(model.scratch shapes a model built from scratch); leave it out, or reset it with "
+                         "'model.scratch={}'")
     if c.trainer.schedule == "constant" and c.trainer.min_lr_ratio > 0:
         raise ValueError(f"trainer.min_lr_ratio={c.trainer.min_lr_ratio} is not read by trainer.schedule=constant: "
                          "set trainer.schedule=cosine or linear to decay to it")

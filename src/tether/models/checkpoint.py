@@ -42,6 +42,8 @@ def read_model_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
+        if (directory / "final" / CONFIG_FILE).is_file():  # a run directory, not its checkpoint
+            raise CheckpointError(f"{directory} is a run directory; its checkpoint is {directory / 'final'}")
         raise CheckpointError(f"{config_path}: file not found")
     try:
         hf = json.loads(config_path.read_text())
@@ -264,6 +266,13 @@ def _save_built_tokenizer(tokenizer: Any, target: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
+def _save_readable(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str]) -> None:
+    """``save_file``, then the mode of the ``config.json`` beside it (safetensors writes 0600: another
+    user on a cluster, or a vLLM container of another uid, could not read the weights)."""
+    save_file(tensors, str(file), metadata=metadata)
+    file.chmod((file.parent / CONFIG_FILE).stat().st_mode & 0o777)
+
+
 def save_model(model: Decoder, path: str | Path, max_shard_bytes: int | None = None) -> Path:
     """Write ``config.json`` and safetensors (sharded with an index when over ``max_shard_bytes``)."""
     directory = Path(path)
@@ -282,12 +291,12 @@ def save_model(model: Decoder, path: str | Path, max_shard_bytes: int | None = N
     shards = _shards(tensors, max_shard_bytes)
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     if len(shards) == 1:
-        save_file(shards[0], str(directory / WEIGHTS_FILE), metadata=metadata)
+        _save_readable(shards[0], directory / WEIGHTS_FILE, metadata)
         return directory
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, start=1):
         shard_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / shard_name), metadata=metadata)
+        _save_readable(shard, directory / shard_name, metadata)
         weight_map.update(dict.fromkeys(shard, shard_name))
     total_size = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
