@@ -187,3 +187,18 @@ def test_sigterm_stops_a_run_in_one_line(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and err.strip().splitlines()[-1] == "terminated", err
     assert "Traceback" not in err
+
+
+def test_a_run_that_fails_to_start_leaves_no_directory_on_the_default_path(tmp_path):
+    """Three typos made three debris directories beside the real run (`ls runs/x-*` and "the latest"
+    broke); a directory given with --out is the user's and stays, reusable."""
+    (tmp_path / "c.yaml").write_text("name: typo\n")
+    bad = [*TINY_SFT, "recipe=grpo", "init_from=runs/nope/final", f"logging.run_root={tmp_path / 'runs'}"]
+    bad = [o for o in bad if not o.startswith(("model.scratch", "recipe=sft", "trainer.batch_size", "trainer.eval"))]
+    result = tether("train", "c.yaml", *bad, cwd=tmp_path)
+    assert_one_line_error(result, "init_from: checkpoint directory runs/nope/final does not exist")
+    assert "removed: the run stopped before its first step" in result.stdout
+    assert not list((tmp_path / "runs").iterdir())
+    result = tether("train", "c.yaml", *bad, "--out", str(tmp_path / "mine"), cwd=tmp_path)
+    assert_one_line_error(result, "does not exist")
+    assert (tmp_path / "mine" / "config.yaml").exists()

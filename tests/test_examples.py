@@ -1,6 +1,8 @@
 """The shipped examples, shortened: SFT lowers the held-out loss; GRPO from its checkpoint raises reward."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,14 @@ def test_sft_then_grpo_examples_learn(tmp_path):
     early, late = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert late > early + 0.05, rewards
     assert (grpo_dir / "final" / "config.json").exists()
+
+    # The README's generate line, on the shipped prompts file with its per-line overrides.
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run([sys.executable, "-m", "tether.cli", "generate", "--model", str(sft_dir / "final"),
+                           "--prompts", str(EXAMPLES / "prompts.jsonl"), "--n", "2", "--max-new-tokens", "8",
+                           "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(line["prompt_index"], line["sample_index"]) for line in lines] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(len(line["token_ids"]) <= 4 for line in lines if line["prompt_index"] == 1)  # its own max

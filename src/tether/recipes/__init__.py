@@ -10,7 +10,7 @@ from typing import Any
 from tether.config import ExperimentConfig, load_config
 from tether.config.loader import refuse_repeated_overrides
 from tether.metrics import read_metrics
-from tether.runs import create_run_dir, release_run_dir
+from tether.runs import create_run_dir, release_run_dir, remove_if_unused
 
 
 def _recipes() -> dict[str, Callable[[ExperimentConfig, Path], Any]]:
@@ -31,9 +31,12 @@ def run_train(config_path: str, overrides: list[str], out: str | None = None) ->
     print(f"run directory: {run_dir}", flush=True)
     try:
         result = _recipes()[config.recipe](config, run_dir)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI raises a KeyboardInterrupt for it)
-        print(f"{run_dir}: stopped {_steps_done(run_dir)}; metrics.jsonl and samples.jsonl keep what was "
-              "logged; no checkpoint: final/ is written when a run finishes", file=sys.stderr, flush=True)
+    except BaseException as error:
+        if out is None and remove_if_unused(run_dir):  # a failed start leaves no debris beside the runs
+            print(f"run directory {run_dir} removed: the run stopped before its first step", flush=True)
+        elif isinstance(error, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (the CLI raises one for it)
+            print(f"{run_dir}: stopped {_steps_done(run_dir)}; metrics.jsonl and samples.jsonl keep what was "
+                  "logged; no checkpoint: final/ is written when a run finishes", file=sys.stderr, flush=True)
         raise
     finally:
         release_run_dir(run_dir)
