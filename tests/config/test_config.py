@@ -582,6 +582,11 @@ def test_errors_in_override_values_say_command_line_not_the_file(tmp_path):
     ("rollout.temp=0.7", "rollout.temperature"),
     ("rewards=[{fn: task, wieght: 2}]", "rewards.0.weight"),
     ("rewards=[{fnn: task}]", "rewards.0.fn"),
+    # TRL's, verl's and TrainingArguments' names: the nearest spelling misled (learning_rate -> min_lr_ratio)
+    ("trainer.learning_rate=1e-6", "trainer.lr"), ("rollout.num_generations=8", "rollout.group_size"),
+    ("rollout.max_completion_length=256", "rollout.max_new_tokens"), ("algorithm.beta=0.04", "algorithm.kl_coef"),
+    ("trainer.max_grad_norm=1", "trainer.grad_clip"), ("trainer.num_iterations=2", "algorithm.epochs_per_batch"),
+    ("trainer.gradient_accumulation_steps=4", "trainer.micro_batch_tokens"),
 ])
 def test_unknown_keys_suggest_the_closest_field_of_their_section(override, hint):
     assert f"(did you mean '{hint}'?)" in config_error(overrides=[override])

@@ -248,12 +248,42 @@ def config_reference(model: type[BaseModel] = ExperimentConfig, prefix: str = ""
     return lines
 
 
+# The names TRL, verl and transformers' TrainingArguments give settings tether has under another key
+# (a misspelling's nearest key is no help there: learning_rate is not min_lr_ratio).
+OTHER_TOOLS_KEYS = {
+    "learning_rate": "trainer.lr", "lr": "trainer.lr", "num_generations": "rollout.group_size",
+    "n": "rollout.group_size", "rollout_n": "rollout.group_size",
+    "max_completion_length": "rollout.max_new_tokens", "max_response_length": "rollout.max_new_tokens",
+    "max_tokens": "rollout.max_new_tokens", "max_new_tokens": "rollout.max_new_tokens",
+    "beta": "algorithm.kl_coef", "kl_coef": "algorithm.kl_coef", "kl_loss_coef": "algorithm.kl_coef",
+    "kl_loss_type": "algorithm.kl_estimator", "max_grad_norm": "trainer.grad_clip",
+    "grad_clip": "trainer.grad_clip", "epsilon": "algorithm.clip_low", "clip_ratio": "algorithm.clip_low",
+    "clip_ratio_low": "algorithm.clip_low", "epsilon_high": "algorithm.clip_high",
+    "clip_ratio_high": "algorithm.clip_high", "num_iterations": "algorithm.epochs_per_batch",
+    "ppo_epochs": "algorithm.epochs_per_batch", "loss_type": "algorithm.loss_agg",
+    "loss_agg_mode": "algorithm.loss_agg", "adv_estimator": "algorithm.advantage",
+    "max_steps": "trainer.max_steps", "total_training_steps": "trainer.max_steps",
+    "warmup_steps": "trainer.warmup_steps", "weight_decay": "trainer.weight_decay",
+    "lr_scheduler_type": "trainer.schedule", "model_name_or_path": "model.path",
+    "temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k",
+    "train_batch_size": "rollout.prompts_per_step",
+    # micro-batches are cut by tokens and accumulated into one optimizer step
+    "gradient_accumulation_steps": "trainer.micro_batch_tokens",
+    "per_device_train_batch_size": "trainer.micro_batch_tokens",
+    "ppo_micro_batch_size": "trainer.micro_batch_tokens",
+}
+
+
 def closest_key(loc: list[str]) -> str | None:
-    """The valid key closest to an unknown one: its leaf name among the fields of the section it was
-    written in (list items included: ``rewards.0.wieght`` -> ``rewards.0.weight``), a prefix match
-    first (``rollout.temp`` -> ``rollout.temperature``), else among every key of the schema."""
+    """The valid key closest to an unknown one: another tool's name for a setting
+    (``trainer.learning_rate`` -> ``trainer.lr``, ``OTHER_TOOLS_KEYS``); its leaf name among the
+    fields of the section it was written in (list items included: ``rewards.0.wieght`` ->
+    ``rewards.0.weight``), a prefix match first (``rollout.temp`` -> ``rollout.temperature``), else
+    among every key of the schema."""
     parent, section = loc[:-1], _section_model(loc[:-1])
     leaf = loc[-1]
+    if leaf in OTHER_TOOLS_KEYS and not any(part.isdigit() for part in loc):
+        return OTHER_TOOLS_KEYS[leaf]
     if section is not None:
         names = list(section.model_fields)
         starts = [name for name in names if name.startswith(leaf)]
