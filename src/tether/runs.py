@@ -112,9 +112,12 @@ def remove_if_unused(run_dir: Path) -> bool:
     """Remove a run directory that holds only what its start wrote (config.yaml, run.json, the lock,
     empty metrics and samples): a run that failed before its first step, on the default path, would
     leave one per attempt beside the real runs. Anything else (a generator's error log) keeps it."""
-    names = {entry.name for entry in run_dir.iterdir()}
-    written = {name for name in names if name not in ("metrics.jsonl", "samples.jsonl")
-               or (run_dir / name).stat().st_size > 0}
+    try:
+        names = {entry.name for entry in run_dir.iterdir()}
+        written = {name for name in names if name not in ("metrics.jsonl", "samples.jsonl")
+                   or (run_dir / name).stat().st_size > 0}
+    except OSError:  # the directory went (deleted mid-run): the run's own error says so
+        return False
     if not written <= {"config.yaml", RUN_INFO, _LOCK_NAME}:
         return False
     release_run_dir(run_dir)

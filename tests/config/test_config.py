@@ -382,6 +382,16 @@ def test_a_run_directory_says_what_ran_it(tmp_path):
     release_run_dir(create_run_dir(load_config(None, ["name=exp"]), out=run_dir))  # failed to start: reused
 
 
+def test_only_a_run_directory_that_holds_nothing_of_a_run_is_removed(tmp_path):
+    run_dir = create_run_dir(load_config(None, ["name=exp"]), out=tmp_path / "run")
+    (run_dir / "generator_error.log").write_text("Traceback ...\n")  # why the generator died: kept
+    assert not runs.remove_if_unused(run_dir) and run_dir.exists()
+    (run_dir / "generator_error.log").unlink()
+    (run_dir / "metrics.jsonl").write_text("")
+    assert runs.remove_if_unused(run_dir) and not run_dir.exists()
+    assert not runs.remove_if_unused(tmp_path / "run")  # deleted mid-run: the run's own error tells
+
+
 def test_create_run_dir_refuses_a_directory_with_other_files(tmp_path):
     """--out pointing at a directory that holds anything else (a checkpoint, notes) is refused: a
     run would write over its files (final/model.safetensors)."""
