@@ -6,7 +6,7 @@ import string
 import pytest
 
 from tether.data import ArithTask, CopyTask, get_task, task_names
-from tether.data.tasks import split_of
+from tether.data.tasks import check_task_options, split_of
 from tether.errors import ConfigError, DataError
 
 ARITH = re.compile(r"^\d+([+-]\d+)+=$")
@@ -16,10 +16,12 @@ def test_registry():
     assert {"arith", "copy"} <= set(task_names())
     task = get_task("arith", num_digits=2)
     assert isinstance(task, ArithTask) and task.num_digits == 2
-    with pytest.raises(ConfigError, match="unknown task 'nope'; available: arith, copy"):
+    with pytest.raises(ConfigError, match="data.task='nope': unknown task; available: arith, copy"):
         get_task("nope")
-    with pytest.raises(ConfigError, match="task 'arith'"):
+    with pytest.raises(ConfigError, match="data.task_options.digits: task 'arith' has no such option"):
         get_task("arith", digits=2)
+    with pytest.raises(ConfigError, match="data.task_options.name: task 'arith' has no such option"):
+        check_task_options("arith", {"name": "x"})  # the registry's name, not an option
     with pytest.raises(ConfigError, match="operators"):
         get_task("arith", operators="*")
 

@@ -25,7 +25,7 @@ import random
 import string
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import pydantic
@@ -156,7 +156,7 @@ class ArithTask(_ProblemTask):
     # A stuttering SFT teacher: with this probability it writes the last digit of an answer that ends
     # in an even digit twice ("12+34=" -> "466"). What the verifier rejects, RL can unlearn.
     teacher_repeat_error: float = 0.0
-    name: str = "arith"
+    name: str = field(default="arith", init=False)  # the registry's name, not an option
 
     def __post_init__(self) -> None:
         if self.num_digits < 1:
@@ -226,7 +226,7 @@ class CopyTask(_ProblemTask):
     chunk_size: int = 0  # 0: plain copy; k > 0: reverse each block of k characters
     separator: str = ">"
     heldout_fraction: float = 0.1
-    name: str = "copy"
+    name: str = field(default="copy", init=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_chars <= self.max_chars:
@@ -273,30 +273,20 @@ def task_names() -> list[str]:
 
 def get_task(name: str, **kwargs: Any) -> Task:
     """Build a registered task by name, e.g. ``get_task("arith", num_digits=2)``."""
-    if name not in TASKS:
-        raise ConfigError(f"unknown task '{name}'; available: {', '.join(task_names())}")
-    _check_option_types(name, TASKS[name], kwargs)
-    try:
-        return TASKS[name](**kwargs)
-    except TypeError as e:  # an unknown keyword argument
-        raise ConfigError(f"task '{name}': {e}") from None
+    check_task_options(name, kwargs)
+    return TASKS[name](**kwargs)
 
 
 def check_task_options(name: str, options: dict[str, Any]) -> None:
-    """The config's check of ``data.task``/``data.task_options``, before anything is built."""
+    """``data.task`` must name a task and ``data.task_options`` (untyped from YAML) be its options,
+    each of its field's type (pydantic strict mode: no bool for an int, no 2.5 for an int; an int for
+    a float is fine). The config checks them before anything is built; ``get_task`` again."""
     if name not in TASKS:
         raise ConfigError(f"data.task={name!r}: unknown task; available: {', '.join(task_names())}")
-    _check_option_types(name, TASKS[name], options)
-
-
-def _check_option_types(name: str, cls: type, kwargs: dict[str, Any]) -> None:
-    """``data.task_options`` come untyped from YAML: each must be one of the task's options, of its
-    field's type (pydantic strict mode: no bool for an int, no 2.5 for an int; an int for a float is
-    fine)."""
+    cls = TASKS[name]
     hints = typing.get_type_hints(cls)
-    names = ([f.name for f in dataclasses.fields(cls) if f.init and f.name != "name"] if dataclasses.is_dataclass(cls)
-             else list(hints))
-    for key, value in kwargs.items():
+    names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    for key, value in options.items():
         if key not in names:
             raise ConfigError(f"data.task_options.{key}: task '{name}' has no such option; "
                               f"its options: {', '.join(names)}")
