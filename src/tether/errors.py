@@ -20,16 +20,24 @@ def one_line(error: BaseException) -> str:
 _LFS_POINTER = b"version https://git-lfs"  # how a Git LFS pointer file starts
 
 
-def unreadable_reason(file: str | os.PathLike[str], error: BaseException) -> str:
-    """Why a checkpoint file could not be read, in a few words: a Git LFS pointer in place of the
-    file (a clone without ``git lfs``) says so; else the reader's own first line (safetensors says
-    "incomplete metadata, file not fully covered" for a truncated download), with its type."""
+LFS_POINTER_REASON = "a Git LFS pointer, not the file: fetch it with `git lfs pull`"
+
+
+def is_lfs_pointer(file: str | os.PathLike[str]) -> bool:
+    """Whether ``file`` is a Git LFS pointer in place of the file (a clone without ``git lfs``)."""
     try:
         with open(file, "rb") as f:
-            if f.read(len(_LFS_POINTER)) == _LFS_POINTER:
-                return "a Git LFS pointer, not the file: fetch it with `git lfs pull`"
+            return f.read(len(_LFS_POINTER)) == _LFS_POINTER
     except OSError:
-        pass
+        return False
+
+
+def unreadable_reason(file: str | os.PathLike[str], error: BaseException) -> str:
+    """Why a checkpoint file could not be read, in a few words: a Git LFS pointer says so; else the
+    reader's own first line (safetensors says "incomplete metadata, file not fully covered" for a
+    truncated download), with its type."""
+    if is_lfs_pointer(file):
+        return LFS_POINTER_REASON
     return f"{type(error).__name__}: {one_line(error)}" if str(error).strip() else type(error).__name__
 
 

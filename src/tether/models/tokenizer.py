@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from tether.errors import CheckpointError, unreadable_reason
+from tether.errors import LFS_POINTER_REASON, CheckpointError, is_lfs_pointer, unreadable_reason
 
 if TYPE_CHECKING:  # transformers is imported where it is used: ~1 s that most imports of tether skip
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -109,9 +109,8 @@ def _check_json(file: Path) -> None:
     try:
         json.loads(file.read_bytes())
     except json.JSONDecodeError as error:
-        reason = unreadable_reason(file, error)
-        if "LFS" not in reason:
-            reason = f"not valid JSON at line {error.lineno} column {error.colno}: {error.msg}"
+        reason = (LFS_POINTER_REASON if is_lfs_pointer(file)
+                  else f"not valid JSON at line {error.lineno} column {error.colno}: {error.msg}")
         raise CheckpointError(f"{file}: {reason}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{file}: not a readable JSON file ({unreadable_reason(file, error)})") from None
