@@ -130,9 +130,8 @@ def load_model(
     directory = Path(path)
     config = read_model_config(directory)
     listing, files = _weight_files(directory)
-    with torch.device("meta"):  # no random init: every parameter is replaced by a checkpoint tensor
-        model = Decoder(config)
-    expected = {name: param.shape for name, param in model.state_dict().items()}
+    with torch.device("meta"):  # the shapes each tensor must have
+        expected = {name: param.shape for name, param in Decoder(config).state_dict().items()}
     tensors = _read_tensors(listing, files, expected, dtype, device)
     if config.tie_word_embeddings and _has_own_head(tensors):
         # As transformers 5 does: a saved head unlike the embedding is the model's head, untied.
@@ -142,20 +141,27 @@ def load_model(
                       "final/ is saved untied)",
                       stacklevel=2)
         config = dataclasses.replace(config, tie_word_embeddings=False)
-        with torch.device("meta"):
-            model = Decoder(config)
     if config.tie_word_embeddings:
         head = tensors.pop("lm_head.weight", None)  # the embedding is the head; a saved copy is redundant
         if "model.embed_tokens.weight" not in tensors and head is not None:
             tensors["model.embed_tokens.weight"] = head  # a tied checkpoint that stored the head alone
-        expected.pop("lm_head.weight")
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{listing}: missing tensor {missing[0]!r}{more}")
-    model.load_state_dict(tensors, strict=False, assign=True)
+    return decoder_from_tensors(config, tensors, str(listing))
+
+
+def decoder_from_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], where: str) -> Decoder:
+    """A ``Decoder`` of ``config`` whose parameters are ``tensors`` themselves (state-dict names; no
+    random init). A tied model's head is its embedding: ``lm_head.weight`` may be absent. A missing
+    or unknown tensor is a ``CheckpointError`` naming ``where``."""
+    with torch.device("meta"):
+        model = Decoder(config)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight  # assign=True replaced the shared tensor
+        missing = [name for name in missing if name != "lm_head.weight"]
+    if missing or unexpected:
+        name, kind, others = (missing[0], "missing", missing) if missing else (unexpected[0], "unexpected", unexpected)
+        more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+        raise CheckpointError(f"{where}: {kind} tensor {name!r}{more}")
     return model
 
 

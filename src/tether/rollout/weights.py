@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tether.errors import RolloutStalledError
+from tether.models.checkpoint import decoder_from_tensors
 from tether.models.config import ModelConfig
 from tether.models.decoder import Decoder
 
@@ -138,12 +139,4 @@ def decoder_from_weights(config: ModelConfig, weights: SharedWeights, device: to
         is_bucket = tensor.device.type == "cpu" and tensor.is_shared()  # fp32 on the CPU: a view of it
         tensors[name] = tensor.clone() if is_bucket else tensor
     weights.ack(version)
-    with torch.device("meta"):  # no random init: every parameter is replaced
-        model = Decoder(config)
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-        missing = [name for name in missing if name != "lm_head.weight"]
-    if missing or unexpected:
-        raise RuntimeError(f"weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return model
+    return decoder_from_tensors(config, tensors, "shared weights")
