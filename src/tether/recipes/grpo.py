@@ -36,6 +36,7 @@ from tether.data.cursor import DataCursor
 from tether.data.records import PromptRecord
 from tether.data.tokenize import tokenize_prompt
 from tether.engine.config import EngineConfig
+from tether.engine.engine import LLMEngine
 from tether.engine.requests import resolve_max_model_len
 from tether.engine.types import SamplingParams
 from tether.errors import ConfigError, DataError, TetherError
@@ -154,8 +155,11 @@ def rl_prompt_data(config: ExperimentConfig, model: Any, tokenizer: Any) -> tupl
         except TetherError as error:  # e.g. chat prompts for a tokenizer without a chat template
             where = record.where or f"{_train_source(config)}: record {record.index}"
             raise DataError(f"{where}: {error}") from None
-        (kept if 0 < num_tokens < context else skipped).append(record)
-        longest = max(longest, num_tokens) if 0 < num_tokens < context else longest
+        if 0 < num_tokens < context:
+            kept.append(record)
+            longest = max(longest, num_tokens)
+        else:
+            skipped.append(record)
     if not kept:
         raise DataError(f"{_train_source(config)}: none of the {len(data.train)} training prompts leaves room for "
                         f"a completion in the engine's context of {context} tokens (engine.max_model_len)")
@@ -167,8 +171,8 @@ def rollout_kv_tokens(config: ExperimentConfig, longest_prompt: int) -> int:
     (``EngineConfig.max_kv_tokens``): every sequence that may be running (the groups started within
     the staleness window and over-sampling, times the group size) at the longest prompt plus
     ``rollout.max_new_tokens``, in whole blocks, and no more sequences than ``engine.max_num_seqs``.
-    Sharing a group's prompt only lowers it. The pool
-    was sized from free memory alone: 3.2 GB of zeros for a run that needed 60 tokens of KV."""
+    Sharing a group's prompt only lowers it. The pool was sized from free memory alone: 3.2 GB of
+    zeros for a run that needed 60 tokens of KV."""
     r, block = config.rollout, config.engine.block_size
     num_seqs = ((max_staleness(config) + 1) * r.prompts_per_step + r.oversample) * r.group_size
     num_seqs = min(num_seqs, config.engine.max_num_seqs)  # the most the scheduler runs at once
@@ -244,11 +248,8 @@ def _report_first_failures(state: LoopState, components: Any, reported: set[str]
 def build_components(config: ExperimentConfig, model: Any, tokenizer: Any,
                      inputs: RunInputs | None = None) -> RLComponents:
     data, longest = _data_and_longest(config, model, tokenizer, inputs)
-    generator = build_generator(model, tokenizer, config.engine, checkpoint_of(config),
-                                max_kv_tokens=rollout_kv_tokens(config, longest))
-    _warn_if_the_pool_is_short(generator, config, longest)
     return RLComponents(
-        generator=generator,
+        generator=_rollout_engine(config, model, tokenizer, longest),
         trainer=build_trainer(config, model),
         rewards=inputs.rewards if inputs is not None else build_rewards(config, data.task),
         prompts=DataCursor(data.train, seed=config.seed),
@@ -270,27 +271,29 @@ def build_generator_worker(config: ExperimentConfig, model: Any, tokenizer: Any,
         sampling=sampling_params(config, tokenizer), groups_per_batch=r.prompts_per_step,
         max_staleness=max_staleness(config), num_extra_groups=r.oversample,
         is_partial_rollouts=is_partial_rollouts(config), is_dynamic_sampling=r.dynamic_sampling)
-    engine = build_generator(model, tokenizer, config.engine, checkpoint_of(config), owns_model=owns_model,
-                             max_kv_tokens=rollout_kv_tokens(config, longest))
-    if not is_startup:  # the start-up worker lives seconds; the process's engine is the one that counts
-        _warn_if_the_pool_is_short(engine, config, longest)
     return GeneratorWorker(
-        engine,
+        # the start-up worker lives seconds; the process's engine is the one whose pool counts
+        _rollout_engine(config, model, tokenizer, longest, owns_model=owns_model, warn=not is_startup),
         DataCursor(data.train, seed=config.seed),
         inputs.rewards if inputs is not None else build_rewards(config, data.task),
         lambda record: tokenize_prompt(record, tokenizer),
         functools.partial(reward_text, tokenizer), settings)
 
 
-def _warn_if_the_pool_is_short(engine: Any, config: ExperimentConfig, longest_prompt: int) -> None:
-    """One line when the KV pool cannot hold every sequence the rollouts may run at once: they are
-    preempted and recomputed (correct, slower), which nothing else would show."""
+def _rollout_engine(config: ExperimentConfig, model: Any, tokenizer: Any, longest_prompt: int, *,
+                    owns_model: bool = False, warn: bool = True) -> LLMEngine:
+    """The rollouts' engine, its KV pool capped at what they can hold at once; ``warn``: one line when
+    the memory budget gives less, since the sequences are then preempted and recomputed (correct,
+    slower), which nothing else would show."""
     need = rollout_kv_tokens(config, longest_prompt)
+    engine = build_generator(model, tokenizer, config.engine, checkpoint_of(config), owns_model=owns_model,
+                             max_kv_tokens=need)
     have = engine.block_manager.num_blocks * engine.config.block_size
-    if have < need:
+    if warn and have < need:
         print(f"warning: the KV pool holds {have} tokens; the rollouts may need up to {need} at once (their "
               "sequences at the longest prompt + rollout.max_new_tokens): some will be preempted and recomputed, "
               "which is slower; raise engine.kv_cache_bytes or engine.kv_cache_memory_fraction", file=sys.stderr)
+    return engine
 
 
 def build_process_generator_worker(config: ExperimentConfig, model_config: ModelConfig, device: torch.device,
