@@ -113,12 +113,9 @@ def remove_if_unused(run_dir: Path) -> bool:
     empty metrics and samples): a run that failed before its first step, on the default path, would
     leave one per attempt beside the real runs. Anything else (a generator's error log) keeps it."""
     try:
-        names = {entry.name for entry in run_dir.iterdir()}
-        written = {name for name in names if name not in ("metrics.jsonl", "samples.jsonl")
-                   or (run_dir / name).stat().st_size > 0}
+        if _not_reusable(run_dir) or (run_dir / GENERATOR_ERROR_LOG).exists():
+            return False
     except OSError:  # the directory went (deleted mid-run): the run's own error says so
-        return False
-    if not written <= {"config.yaml", RUN_INFO, _LOCK_NAME}:
         return False
     release_run_dir(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -171,6 +168,13 @@ def _lock(run_dir: Path) -> None:
     _LOCKS[key] = fd
 
 
+def _not_reusable(run_dir: Path) -> list[str]:
+    """The entries of ``run_dir`` beyond what a run that failed before its first step leaves."""
+    return sorted(entry.name for entry in run_dir.iterdir()
+                  if entry.name not in _REUSABLE or not entry.is_file()
+                  or (entry.name not in _KEPT_WHOLE and entry.stat().st_size > 0))
+
+
 def _check_reusable(run_dir: Path) -> None:
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists() and metrics.stat().st_size > 0:
@@ -179,10 +183,7 @@ def _check_reusable(run_dir: Path) -> None:
     if own_config.exists() and not is_resolved_config(own_config):  # never overwrite the user's file
         raise ConfigError(f"run directory {run_dir} holds a config.yaml that tether did not write; "
                           "choose another --out")
-    others = sorted(entry.name for entry in run_dir.iterdir()
-                    if entry.name not in _REUSABLE or not entry.is_file()
-                    or (entry.name not in _KEPT_WHOLE and entry.stat().st_size > 0))
-    if others:
+    if others := _not_reusable(run_dir):
         more = f" and {len(others) - 1} more" if len(others) > 1 else ""
         raise ConfigError(f"run directory {run_dir} is not empty (holds {others[0]!r}{more}); "
                           "choose another --out")
