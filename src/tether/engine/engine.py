@@ -70,15 +70,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_model_len = resolve_max_model_len(config, model.config.context_length)
-        blocks_per_seq = -(-self.max_model_len // config.block_size)
-        max_blocks_useful = config.max_num_seqs * blocks_per_seq
-        if config.max_kv_tokens is not None:
-            max_blocks_useful = min(max_blocks_useful, -(-config.max_kv_tokens // config.block_size))
         num_blocks = num_kv_blocks_for(
-            model, config.block_size, config.num_kv_blocks, config.kv_cache_bytes,
-            config.kv_cache_memory_fraction, max_blocks_useful=max_blocks_useful,
-            draft_model=draft_model if config.speculative == "draft" else None,
-        )  # fmt: skip
+            model, config, self.max_model_len, draft_model if config.speculative == "draft" else None)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tether.engine.attention import PagedAttention, SeqSpan, build_step_metadata
+from tether.engine.config import EngineConfig
 from tether.engine.cpu_kernels import PackedWeights, pack_linears
 from tether.engine.kv_cache import DecodeKV, KVCache
 from tether.engine.native import (
@@ -384,23 +385,23 @@ def kv_bytes_per_block(model: DecoderModel, block_size: int) -> int:
 
 
 def num_kv_blocks_for(
-    model: DecoderModel,
-    block_size: int,
-    num_kv_blocks: int | None,
-    kv_cache_bytes: int | None,
-    memory_fraction: float,
-    max_blocks_useful: int,
-    draft_model: DecoderModel | None = None,
+    model: DecoderModel, config: EngineConfig, max_model_len: int, draft_model: DecoderModel | None = None
 ) -> int:
-    """The pool size: an explicit count, else a byte budget, else a fraction of free memory.
+    """The pool size: an explicit count (``num_kv_blocks``), else a byte budget (``kv_cache_bytes``),
+    else a fraction of free memory.
 
     A budget covers all KV memory: the pool with its pad block (``KVCache.pad_block``), its decode
     copies and, with a draft model, the draft's pool and copies (same number of blocks). Budgets are
-    capped at ``max_blocks_useful`` (every sequence slot at full length), which keeps a CPU engine
-    from claiming gigabytes it can never fill.
+    capped at what can ever be used: every sequence slot at ``max_model_len``, and the caller's
+    ``max_kv_tokens``, which keeps a CPU engine from claiming gigabytes it can never fill.
     """
-    if num_kv_blocks is not None:
-        return num_kv_blocks
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    block_size, kv_cache_bytes, memory_fraction = (config.block_size, config.kv_cache_bytes,
+                                                   config.kv_cache_memory_fraction)
+    max_blocks_useful = config.max_num_seqs * -(-max_model_len // block_size)
+    if config.max_kv_tokens is not None:
+        max_blocks_useful = min(max_blocks_useful, -(-config.max_kv_tokens // block_size))
     models = [model] if draft_model is None else [model, draft_model]
     per_block = sum(kv_bytes_per_block(m, block_size) for m in models)
     pad_bytes = sum(kv_bytes_per_block(m, block_size) // 2 for m in models)  # a pool block each
