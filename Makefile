@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test lint bench clean setup
+.PHONY: demo test lint bench clean setup device-wheels device-cache
 
 setup: $(STAMP)
 
@@ -40,3 +40,19 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# A lent GPU machine has torch and numpy but no network: bench/device_check.sh (the GPU checks) runs
+# there with what these two prepare here, each in a folder git ignores and the device tool carries.
+# device-wheels: Python 3.12 x86-64 wheels of tether's other dependencies at this .venv's versions.
+device-wheels: $(STAMP)
+	rm -rf .whl && mkdir .whl
+	$(BIN)/pip freeze --exclude-editable > .whl/constraints.txt
+	$(BIN)/pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-c .whl/constraints.txt -d .whl transformers pydantic pyyaml rich
+	rm -f .whl/numpy-*.whl
+	du -sh .whl
+
+# device-cache: the spec-decode bench's trained models (it also runs the bench here, on the CPU).
+device-cache: $(STAMP)
+	$(BIN)/python bench/spec_decode.py --cache-dir .device-cache/spec

@@ -1,6 +1,6 @@
 """tether's rollout engine against transformers' generation, on a GRPO-shaped workload, in one run.
 
-    python bench/engine_throughput.py [--threads 2] [--repeats 2] [--dtype float32] [--quick]
+    python bench/engine_throughput.py [--threads 2] [--repeats 2] [--dtype float32] [--device cpu] [--quick]
 
 Workload: ``num_prompts`` random prompts of 32-128 tokens, ``num_samples`` samples each, every sample
 with its own length budget drawn uniformly from [16, 256] (the same budgets for every system). Every
@@ -8,7 +8,8 @@ sample generates exactly its budget (no EOS stop: ``ignore_eos``), so a system's
 the sum of the budgets, whatever it computes beyond them. One random Qwen2-shaped checkpoint (~38M
 parameters, vocabulary 32000) is written by transformers; tether loads that checkpoint. fp32 (or
 ``--dtype bfloat16`` on every side: weights, activations and KV; the matmul yardstick in that dtype
-too), CPU, multinomial sampling at temperature 1.0, top_p 1.0, no top-k on every side.
+too), on the CPU (or ``--device cuda``: every side on the GPU, the yardstick there too), multinomial
+sampling at temperature 1.0, top_p 1.0, no top-k on every side.
 
 Systems, each timed ``repeats`` times (best kept: other processes only ever slow a run down):
 
@@ -45,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from common import machine_info, measure_matmul_gflops, set_threads  # noqa: E402
+from common import machine_info, measure_matmul_gflops, set_threads, synchronize  # noqa: E402
 from helpers.hf_tiny import make_hf_model  # noqa: E402
 from tether.builders import DTYPES  # noqa: E402
 from tether.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -73,6 +74,7 @@ class BenchSettings:
     seed: int = 0
     skip_hf_paged: bool = False
     dtype: str = "float32"  # of the model on every side: "float32" or "bfloat16"
+    device: str = "cpu"  # where every side runs: "cpu" or "cuda"
 
     @property
     def num_rows(self) -> int:
@@ -87,8 +89,8 @@ class BenchSettings:
         return "fp32" if self.dtype == "float32" else "bf16"
 
     def matmul_gflops(self) -> float:
-        """The machine's matmul rate now, in the model's dtype (``measure_matmul_gflops``)."""
-        return measure_matmul_gflops(dtype=self.torch_dtype)
+        """The machine's matmul rate now, in the model's dtype on the run's device (``measure_matmul_gflops``)."""
+        return measure_matmul_gflops(dtype=self.torch_dtype, device=self.device)
 
 
 BENCH_DTYPES = ("float32", "bfloat16")  # of tether.builders.DTYPES
@@ -120,12 +122,15 @@ def make_workload(s: BenchSettings) -> Workload:
     return Workload(prompts, budgets)
 
 
-def best_time(run: Callable[[], int], repeats: int) -> tuple[float, int]:
-    """(fastest wall time of ``repeats`` runs, tokens the run generated)."""
+def best_time(run: Callable[[], int], repeats: int, device: str) -> tuple[float, int]:
+    """(fastest wall time of ``repeats`` runs, tokens the run generated), each run's work on
+    ``device`` finished inside its time."""
     best_s, num_tokens = float("inf"), 0
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         num_tokens = run()
+        synchronize(device)
         best_s = min(best_s, time.perf_counter() - start)
     return best_s, num_tokens
 
@@ -215,8 +220,10 @@ def measure_decode(engine: LLMEngine, s: BenchSettings, num_rows: int) -> tuple[
     times_s, contexts = [], []
     for _ in range(s.decode_steps):
         contexts.append(sum(seq.num_tokens for seq in engine.scheduler.running) / num_rows)
+        synchronize(s.device)
         start = time.perf_counter()
         engine.step()
+        synchronize(s.device)
         times_s.append(time.perf_counter() - start)
     while engine.has_unfinished():
         engine.step()
@@ -242,8 +249,8 @@ def run_hf_generate(model: torch.nn.Module, w: Workload, s: BenchSettings) -> in
     rows = [prompt for prompt in w.prompts for _ in range(s.num_samples)]
     width = max(map(len, rows))
     pad = model.config.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # [R, width]
-    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=model.device)  # [R, width]
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                          generation_config=hf_sampling(model, max(w.budgets)))
     num_generated = out.shape[1] - width
@@ -297,9 +304,9 @@ def build_models(s: BenchSettings, directory: Path) -> tuple[torch.nn.Module, to
                        num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
                        intermediate_size=s.intermediate_size)
     hf.save_pretrained(directory)
-    tether = load_model(directory).to(s.torch_dtype).eval()
+    tether = load_model(directory).to(device=s.device, dtype=s.torch_dtype).eval()
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=s.torch_dtype, attn_implementation="sdpa")
-    hf = hf.eval()
+    hf = hf.to(s.device).eval()
     # No row of `generate` stops at EOS (ignore_eos, as tether's rows): a GenerationConfig's eos_token_id
     # None is "not given", and generate fills it in from the model's generation_config.
     hf.generation_config.eos_token_id = None
@@ -330,13 +337,13 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     out.append(f"tether batch invariance (engine.batch_invariant: auto): "
                f"{'on' if engine.is_batch_invariant else 'off'}")
     run_tether(engine, w.with_budget(s.min_budget), s)  # warm-up: allocator, thread pool
-    t_s, t_tokens = best_time(lambda: run_tether(engine, w, s), s.repeats)
+    t_s, t_tokens = best_time(lambda: run_tether(engine, w, s), s.repeats, s.device)
     assert t_tokens == w.num_useful_tokens, (t_tokens, w.num_useful_tokens)
     out.append(line("tether LLMEngine (mixed budgets)", t_s, t_tokens))
     if engine.runner.decode_kernel is not None:
         out.extend(compare_tether_paths(s, tether, w, t_tokens / t_s, engine.is_batch_invariant))
     run_hf_generate(hf, w.with_budget(s.min_budget), s)  # the same warm-up
-    g_s, g_tokens = best_time(lambda: run_hf_generate(hf, w, s), s.repeats)
+    g_s, g_tokens = best_time(lambda: run_hf_generate(hf, w, s), s.repeats, s.device)
     assert g_tokens == w.num_useful_tokens, (g_tokens, w.num_useful_tokens)
     out.append(line("transformers generate (mixed budgets)", g_s, g_tokens))
     out.append(f"ratio tether / generate (mixed budgets): {(t_tokens / t_s) / (g_tokens / g_s):.2f}")
@@ -349,9 +356,9 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     gflops = max(gflops, s.matmul_gflops())  # the start's figure may come from a busy moment
     out.extend(roofline_report(tether, w, s, gflops, t_tokens / t_s, paged_rate))
     uniform = w.with_budget(s.max_budget)
-    u_s, u_tokens = best_time(lambda: run_tether(engine, uniform, s), s.repeats)
+    u_s, u_tokens = best_time(lambda: run_tether(engine, uniform, s), s.repeats, s.device)
     out.append(line("tether LLMEngine (uniform budgets)", u_s, u_tokens))
-    h_s, h_tokens = best_time(lambda: run_hf_generate(hf, uniform, s), s.repeats)
+    h_s, h_tokens = best_time(lambda: run_hf_generate(hf, uniform, s), s.repeats, s.device)
     assert u_tokens == h_tokens == uniform.num_useful_tokens, (u_tokens, h_tokens, uniform.num_useful_tokens)
     out.append(line("transformers generate (uniform budgets)", h_s, h_tokens))
     out.append(f"ratio tether / generate (uniform budgets): {(u_tokens / u_s) / (h_tokens / h_s):.2f}")
@@ -366,7 +373,7 @@ def compare_tether_paths(s: BenchSettings, tether: torch.nn.Module, w: Workload,
                                     ("decode attention by PyTorch ops", False, False)]:
         engine = tether_engine(tether, s, native_attention=native, batch_invariant=invariant)
         run_tether(engine, w.with_budget(s.min_budget), s)
-        seconds, tokens = best_time(lambda: run_tether(engine, w, s), s.repeats)  # noqa: B023 (called here)
+        seconds, tokens = best_time(lambda: run_tether(engine, w, s), s.repeats, s.device)  # noqa: B023 (called here)
         rates[name] = tokens / seconds
         lines.append(line(f"tether, {name}", seconds, tokens))
     if is_invariant:
@@ -383,7 +390,7 @@ def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload,
 
     try:
         paged = AutoModelForCausalLM.from_pretrained(hf.name_or_path, dtype=s.torch_dtype,
-                                                     attn_implementation="paged|sdpa").eval()
+                                                     attn_implementation="paged|sdpa").to(s.device).eval()
         run_hf_paged(paged, w.with_budget(s.min_budget), s)  # the same warm-up as the other systems
         p_s, p_tokens = min(run_hf_paged(paged, w, s) for _ in range(s.repeats))
         assert p_tokens == w.num_useful_tokens, (p_tokens, w.num_useful_tokens)
@@ -443,6 +450,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSettings:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", choices=BENCH_DTYPES, default=d.dtype,
                    help="the model's dtype on every side (the matmul yardstick's too)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device,
+                   help="where every side runs (the matmul yardstick too)")
     shape = p.add_argument_group("model shape (Qwen2; default: the issue's 25-50M parameters, vocabulary 32k)")
     for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads"):
         shape.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"({getattr(d, name)})")
@@ -459,15 +468,17 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSettings:
     repeats = a.repeats if a.repeats is not None else s.repeats
     if repeats < 1 or a.threads < 0:
         p.error(f"--repeats must be >= 1 and --threads >= 0, got {repeats}, {a.threads}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here")
     return dataclasses.replace(s, threads=a.threads, repeats=repeats, seed=a.seed,
-                               skip_hf_paged=a.skip_hf_paged, dtype=a.dtype)
+                               skip_hf_paged=a.skip_hf_paged, dtype=a.dtype, device=a.device)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     s = parse_args(argv)
     set_threads(s.threads)
     torch.manual_seed(s.seed)
-    machine = machine_info()
+    machine = machine_info(device=s.device)
     w = make_workload(s)
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         tether, hf = build_models(s, Path(tmp) / "ckpt")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "engine_throughput.py"
 RATE_LINE = re.compile(r"^(.+?) +(\d+) useful tokens in +(\d+\.\d+) s = +(\d+\.\d+) tokens/s$", re.MULTILINE)
@@ -15,12 +16,17 @@ RATIO_LINE = re.compile(r"^ratio tether / (generate \(mixed budgets\)|generate_b
                         r"budgets\)): (\d+\.\d+|n/a)$", re.MULTILINE)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_bench_prints_rates_and_ratios(dtype: str) -> None:
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+
+
+@pytest.mark.parametrize("dtype, device", [("float32", "cpu"), ("bfloat16", "cpu"),
+                                           pytest.param("float32", "cuda", marks=ON_GPU),
+                                           pytest.param("bfloat16", "cuda", marks=ON_GPU)])
+def test_engine_bench_prints_rates_and_ratios(dtype: str, device: str) -> None:
     # ~40 s in bf16 on a CPU without native bf16 matmuls; the limit only catches a hang (two suite
     # runs on a host loaded 5x by other work took 120 s).
-    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--threads", "1", "--dtype", dtype],
-                            capture_output=True, text=True, timeout=400, check=False)
+    result = subprocess.run([sys.executable, str(BENCH), "--quick", "--threads", "1", "--dtype", dtype,
+                             "--device", device], capture_output=True, text=True, timeout=400, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     rates = {m.group(1).strip(): (int(m.group(2)), float(m.group(4))) for m in RATE_LINE.finditer(out)}
@@ -65,6 +71,7 @@ def test_engine_bench_prints_rates_and_ratios(dtype: str) -> None:
         assert abs(float(need.group(1)) - 10 * paged[1]) <= 0.01 * 10 * paged[1] + 0.1
     assert "with 1 threads" in out
     assert f"vocab 1024, {name};" in out
+    assert ("; host: " in out) == (device == "cuda"), out  # a GPU's run names the GPU and its host
     if "tether decode attention: compiled kernel" in out:  # fp32 where a compiler is: the default is invariant
         assert ("tether batch invariance (engine.batch_invariant: auto): on" in out) == (dtype == "float32"), out
         assert rates["tether, without batch invariance"][0] == mixed
@@ -106,3 +113,7 @@ def test_engine_bench_takes_another_model_shape() -> None:
     result = subprocess.run([sys.executable, str(BENCH), "--num-heads", "5"], capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 2 and "must divide by --num-heads (5)" in result.stderr
+    assert module.parse_args(["--device", "cpu"]).device == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            module.parse_args(["--device", "cuda"])

@@ -3,13 +3,14 @@
 CI has no GPU, so the model sits on a CUDA device played by CPU tensors (``helpers.fake_cuda``): the
 engine sees ``cuda:0`` and takes its GPU paths (no compiled kernel, no oneDNN copies, free memory
 from ``torch.cuda``), and every op that real CUDA would refuse for its devices is recorded with
-where in tether it happened. Each case runs the engine through one feature on that device."""
+where in tether it happened. Each case runs the engine through one feature on that device, and
+again on a real GPU where there is one (``bench/device_check.sh`` runs this module on a lent GPU)."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers.fake_cuda import FakeCuda, on_device
+from helpers.fake_cuda import FakeCuda, RealCuda, on_device
 from helpers.hf_tiny import make_hf_checkpoint
 from helpers.reference import full_forward_logprobs
 from tether.engine import EngineConfig, LLMEngine, SamplingParams
@@ -46,10 +47,15 @@ def paths(tmp_path_factory):
     }
 
 
+DEVICES = ["fake-cuda", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="no CUDA device here"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES)
-def test_engine_keeps_its_tensors_on_the_model_device(paths, case):
+def test_engine_keeps_its_tensors_on_the_model_device(paths, case, device):
     family, overrides, dtype = CASES[case]
-    fake = FakeCuda()
+    fake = FakeCuda() if device == "fake-cuda" else RealCuda()
     model = fake.put(load_model(paths[family]).to(dtype).eval())
     draft = fake.put(load_model(paths["draft"]).to(dtype).eval()) if overrides.get("speculative") == "draft" else None
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
@@ -70,9 +76,7 @@ def test_engine_keeps_its_tensors_on_the_model_device(paths, case):
             engine.add_request(prompt, params)
         for _ in range(3):
             engine.step()
-        host_state = {name: t.clone() for name, t in state.items()}
-        for t in host_state.values():
-            t._fake_cuda = False
+        host_state = {name: fake.to_host(t) for name, t in state.items()}
         engine.update_weights(host_state, 1)
         for _ in range(3):
             engine.step()
@@ -100,6 +104,21 @@ def test_engine_keeps_its_tensors_on_the_model_device(paths, case):
         for completion in first:
             expected = full_forward_logprobs(hf, completion, MIXED[completion.prompt_index])
             assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=0.0), case
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_greedy_matches_transformers_generate_on_cuda(paths, family):
+    """The issue's parity check on a real GPU: transformers on the same device, fp32."""
+    hf = AutoModelForCausalLM.from_pretrained(paths[family], attn_implementation="sdpa").float().to("cuda").eval()
+    engine = LLMEngine(load_model(paths[family]).to("cuda").eval(), config=EngineConfig(**BASE))
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    for prompt, completion in zip(PROMPTS, engine.generate(PROMPTS, params)):
+        expected = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=12,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert completion.token_ids == expected
+        reference = full_forward_logprobs(hf, completion, params)
+        assert torch.allclose(torch.tensor(completion.logprobs), reference, atol=1e-4, rtol=0.0)
 
 
 def test_the_tracer_sees_a_cpu_tensor_meet_a_device_one():

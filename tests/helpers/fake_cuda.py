@@ -43,7 +43,8 @@ _SCALAR_OPS = {"fill", "fill_", "masked_fill", "masked_fill_", "index_fill", "in
 
 
 def on_device(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and getattr(t, "_fake_cuda", False)
+    """On the device: a real CUDA tensor, or one ``FakeCuda`` plays."""
+    return isinstance(t, torch.Tensor) and (getattr(t, "_fake_cuda", False) or t.is_cuda)
 
 
 def _mark(t: object, is_on_device: bool) -> None:
@@ -157,6 +158,13 @@ class FakeCuda:
             _mark(t, True)
         return module
 
+    @staticmethod
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        """A copy of device tensor ``t`` on the host (a CPU tensor the tracer sees as one)."""
+        copy = t.detach().clone()
+        _mark(copy, False)
+        return copy
+
     def record(self, problem: str) -> None:
         self.errors.setdefault(f"{problem} at {_where()}", problem)
 
@@ -175,3 +183,25 @@ class FakeCuda:
             mode.__exit__(*exc)
         for name, fn in self._saved.items():
             setattr(torch.cuda, name, fn)
+
+
+class RealCuda:
+    """``FakeCuda``'s surface on a real CUDA device, so one test runs on either: ``put`` moves a module
+    there, and ``errors`` stays empty (CUDA itself raises on what ``FakeCuda`` records)."""
+
+    def __init__(self) -> None:
+        self.errors: dict[str, str] = {}
+
+    def put(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(CUDA)
+
+    @staticmethod
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(CPU, copy=True)
+
+    def __enter__(self) -> RealCuda:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            torch.cuda.synchronize(CUDA)  # an asynchronous error surfaces inside the block

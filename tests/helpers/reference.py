@@ -7,12 +7,14 @@ from tether.engine.types import Completion, SamplingParams
 
 
 def full_forward_logprobs(hf, completion: Completion, params: SamplingParams) -> torch.Tensor:
-    """Log-probs of a completion's tokens from one full transformers forward, under ``process_logits``."""
-    ids = torch.tensor([completion.prompt_ids + completion.token_ids])
+    """Log-probs of a completion's tokens from one full transformers forward (on ``hf``'s device), under
+    ``process_logits``, as a CPU tensor."""
+    ids = torch.tensor([completion.prompt_ids + completion.token_ids], device=hf.device)
     with torch.no_grad():
         logits = hf(ids).logits[0, len(completion.prompt_ids) - 1 : -1]  # [n, V]
     processed = process_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-    return processed.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
+    tokens = torch.tensor(completion.token_ids, device=logits.device)
+    return processed.gather(-1, tokens[:, None]).squeeze(-1).cpu()
 
 
 def assert_same_completions(got: list[Completion], expected: list[Completion], atol: float = 1e-4) -> None:

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The rollout engine's GPU checks, prepared to run in one go on a lent GPU machine (no network there).
+#
+#   here:   make device-wheels            # .whl/: what the machine's image lacks, pinned to .venv's versions
+#           make device-cache             # .device-cache/: the spec-decode bench's trained models
+#   there:  bash bench/device_check.sh [tests|bench|all]     (from the repository root; default: all)
+#
+# The device tool runs it with: carry [".whl", ".device-cache"], command "bash bench/device_check.sh".
+# tests: every CUDA case of the engine's tests (the device-discipline cases on the real GPU, the benches'
+#        smoke tests with --device cuda) -> $OUT/tests.txt
+# bench: bench/engine_throughput.py --device cuda in fp32 and bf16, bench/spec_decode.py --device cuda
+#        -> $OUT/engine_fp32.txt, $OUT/engine_bf16.txt, $OUT/spec_decode.txt
+# Each part has its own time limit, so one that hangs still leaves the others' output. The exit
+# status is the number of parts that failed.
+set -u
+part=${1:-all}
+case "$part" in tests|bench|all) ;; *) echo "usage: bash bench/device_check.sh [tests|bench|all]" >&2; exit 2 ;; esac
+OUT=${OUT:-device-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "error: installing the carried wheels in .whl/ failed" >&2; exit 1; }
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'available', torch.cuda.is_available(), '| transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'error: torch sees no CUDA device')" || exit 1
+
+failed=0
+run() {  # run NAME LIMIT_S COMMAND...: output to $OUT/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+    local status=$?
+    tail -n 25 "$OUT/$name.txt"
+    echo "== $name: exit status $status"
+    [ "$status" -eq 0 ] || failed=$((failed + 1))
+}
+
+if [ "$part" != bench ]; then
+    run tests 240 "$PY" -m pytest -q -p no:cacheprovider -n 4 -k "cuda and not fake" tests/engine/test_device_discipline.py \
+        tests/bench/test_engine_bench_smoke.py tests/bench/test_spec_decode_smoke.py
+fi
+if [ "$part" != tests ]; then
+    run engine_fp32 150 "$PY" bench/engine_throughput.py --device cuda --threads 0
+    run engine_bf16 150 "$PY" bench/engine_throughput.py --device cuda --threads 0 --dtype bfloat16
+    run spec_decode 120 "$PY" bench/spec_decode.py --device cuda --cache-dir .device-cache/spec
+fi
+exit "$failed"
