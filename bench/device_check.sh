@@ -6,8 +6,9 @@
 #   there:  bash bench/device_check.sh [tests|bench|all]     (from the repository root; default: all)
 #
 # The device tool runs it with: carry [".whl", ".device-cache"], command "bash bench/device_check.sh".
-# tests: every CUDA case of the engine's tests (the device-discipline cases on the real GPU, the benches'
-#        smoke tests with --device cuda) -> $OUT/tests.txt
+# tests: every test marked gpu (pytest -m gpu: the device-discipline cases on the real GPU, greedy parity
+#        with transformers there, tether generate --device cuda, the benches' smoke tests with
+#        --device cuda) -> $OUT/tests.txt
 # bench: bench/engine_throughput.py --device cuda in fp32 and bf16, bench/spec_decode.py --device cuda
 #        -> $OUT/engine_fp32.txt, $OUT/engine_bf16.txt, $OUT/spec_decode.txt
 # Each part has its own time limit, so one that hangs still leaves the others' output. The exit
@@ -45,8 +46,7 @@ run() {  # run NAME LIMIT_S COMMAND...: output to $OUT/NAME.txt
 }
 
 if [ "$part" != bench ]; then
-    run tests 240 "$PY" -m pytest -q -p no:cacheprovider -n 4 -k "cuda and not fake" tests/engine/test_device_discipline.py \
-        tests/bench/test_engine_bench_smoke.py tests/bench/test_spec_decode_smoke.py
+    run tests 240 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests
 fi
 if [ "$part" != tests ]; then
     run engine_fp32 150 "$PY" bench/engine_throughput.py --device cuda --threads 0

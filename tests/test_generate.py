@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.gpu import on_gpu
 from helpers.hf_tiny import make_hf_checkpoint
 from tether.data.records import PromptRecord
 from tether.errors import DataError
@@ -376,6 +377,22 @@ def test_device_cuda_loads_the_model_there(model_dir, tmp_path, monkeypatch):
     assert devices == [torch.device("cuda", 0)]  # --device auto picks the GPU torch sees
     assert fake.errors == {}, "\n".join(fake.errors)
     cpu_lines, gpu_lines = ([json.loads(x) for x in p.read_text().splitlines()] for p in (on_cpu, on_gpu))
+    assert cpu_lines[0]["token_ids"] == gpu_lines[0]["token_ids"]  # greedy: the same tokens
+    assert gpu_lines[0]["logprobs"] == pytest.approx(cpu_lines[0]["logprobs"], abs=1e-4)
+    assert gpu_lines[1]["finish_reason"] in ("length", "stop")
+
+
+@on_gpu
+def test_generate_on_a_real_gpu_matches_the_cpu(model_dir, tmp_path):
+    from tether import generate
+    from tether.cli import build_parser
+
+    prompts = _prompts(tmp_path / "p.jsonl", [{"prompt": "12+34="}, {"prompt": "hello", "temperature": 0.8}])
+    argv = ["generate", "--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "8",
+            "--temperature", "0"]
+    outputs = [generate.run_generate(build_parser().parse_args([*argv, "--output", str(tmp_path / f"{d}.jsonl"),
+                                                                 "--device", d])) for d in ("cpu", "cuda")]
+    cpu_lines, gpu_lines = ([json.loads(x) for x in p.read_text().splitlines()] for p in outputs)
     assert cpu_lines[0]["token_ids"] == gpu_lines[0]["token_ids"]  # greedy: the same tokens
     assert gpu_lines[0]["logprobs"] == pytest.approx(cpu_lines[0]["logprobs"], abs=1e-4)
     assert gpu_lines[1]["finish_reason"] in ("length", "stop")

@@ -10,18 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.gpu import GPU
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "engine_throughput.py"
 RATE_LINE = re.compile(r"^(.+?) +(\d+) useful tokens in +(\d+\.\d+) s = +(\d+\.\d+) tokens/s$", re.MULTILINE)
 RATIO_LINE = re.compile(r"^ratio tether / (generate \(mixed budgets\)|generate_batch|generate \(uniform "
                         r"budgets\)): (\d+\.\d+|n/a)$", re.MULTILINE)
 
 
-ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
-
-
 @pytest.mark.parametrize("dtype, device", [("float32", "cpu"), ("bfloat16", "cpu"),
-                                           pytest.param("float32", "cuda", marks=ON_GPU),
-                                           pytest.param("bfloat16", "cuda", marks=ON_GPU)])
+                                           pytest.param("float32", "cuda", marks=GPU),
+                                           pytest.param("bfloat16", "cuda", marks=GPU)])
 def test_engine_bench_prints_rates_and_ratios(dtype: str, device: str) -> None:
     # ~40 s in bf16 on a CPU without native bf16 matmuls; the limit only catches a hang (two suite
     # runs on a host loaded 5x by other work took 120 s).

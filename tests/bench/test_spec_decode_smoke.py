@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.gpu import GPU
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "spec_decode.py"
 ROW = re.compile(r"^(plain|ngram|draft) +(\d+\.\d+) +(\d+\.\d+)x +(-|\d+\.\d+%)$", re.MULTILINE)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device here"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 def test_spec_decode_bench_prints_the_three_methods(device: str) -> None:
     result = subprocess.run([sys.executable, str(BENCH), "--steps", "20", "--draft-steps", "20", "--num-prompts", "2",
                              "--device", device], capture_output=True, text=True, timeout=300, check=False)

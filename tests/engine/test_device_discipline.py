@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.fake_cuda import FakeCuda, RealCuda, on_device
+from helpers.gpu import GPU, on_gpu
 from helpers.hf_tiny import make_hf_checkpoint
 from helpers.reference import full_forward_logprobs
 from tether.engine import EngineConfig, LLMEngine, SamplingParams
@@ -47,8 +48,7 @@ def paths(tmp_path_factory):
     }
 
 
-DEVICES = ["fake-cuda", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                    reason="no CUDA device here"))]
+DEVICES = ["fake-cuda", pytest.param("cuda", marks=GPU)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -106,7 +106,7 @@ def test_engine_keeps_its_tensors_on_the_model_device(paths, case, device):
             assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=0.0), case
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@on_gpu
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_greedy_matches_transformers_generate_on_cuda(paths, family):
     """The issue's parity check on a real GPU: transformers on the same device, fp32."""
