@@ -14,6 +14,9 @@ op that real CUDA would refuse is recorded in ``errors`` with where in tether it
 * a ``torch.ops.mkldnn`` op, ``.numpy()`` or ``__array__`` on a device tensor;
 * a device tensor made with a CPU ``generator``.
 
+Its SDPA returns what CUDA's memory-efficient kernel does: ``[B, H, L, D]`` as a transposed view of
+``[B, L, H, D]`` storage (a ``.view`` that merges H with its neighbours fails on it, as on CUDA).
+
 What it cannot see: CUDA's own kernel limits, asynchronous errors and memory use, and calls that
 bypass torch's dispatch (a compiled extension's own functions: the engine gives them CPU tensors only).
 """
@@ -94,6 +97,11 @@ class _FunctionMode(TorchFunctionMode):
             if out is args[0] and on_device(out) != _is_cuda(device):
                 out = out.clone()
             return self._marked(out, _is_cuda(device))
+        if name == "scaled_dot_product_attention" and any(on_device(a) for a in args):
+            # CUDA's memory-efficient kernel (the one a masked fp32 call gets) returns [B, H, L, D] as a
+            # transposed view of [B, L, H, D] storage: code that views its output must cope.
+            out = func(*args, **kwargs)
+            return self._marked(out.transpose(1, 2).contiguous().transpose(1, 2), True)
         if kwargs.get("device") is not None:
             is_cuda = _is_cuda(kwargs["device"])
             generator = kwargs.get("generator")

@@ -384,7 +384,8 @@ def _attend_prefill(
     elif mask.element_size() * num_queries < 2 * keys.element_size() * num_kv_heads * head_dim:
         folded = queries.reshape(num_rows, num_kv_heads, group_size * num_queries, head_dim)
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask.repeat(1, 1, group_size, 1))
-        out = out.view(num_rows, num_heads, num_queries, head_dim)
+        # reshape: CUDA's memory-efficient kernel returns a transposed view, which no view can split
+        out = out.reshape(num_rows, num_heads, num_queries, head_dim)
     else:
         out = F.scaled_dot_product_attention(queries, keys.repeat_interleave(group_size, dim=1),
                                              values.repeat_interleave(group_size, dim=1), attn_mask=mask)
