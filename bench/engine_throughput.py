@@ -20,12 +20,12 @@ Systems, each timed ``repeats`` times (best kept: other processes only ever slow
 * transformers continuous batching (``attn_implementation="paged|sdpa"``, the machinery behind
   ``generate_batch``), driven through its manager so each request carries its own ``max_new_tokens``.
 
-After the mixed comparison, the workload's compute roofline (``workload_flops`` at the measured
-matmul rate: no engine that multiplies at that rate runs it faster) and the shares of it that
-tether reaches and that 10x ``generate_batch`` would need. Then the same with uniform budgets
-(every sample 256 tokens), tether vs ``generate``, and tether's decode throughput in FLOP/s against
-the machine's matmul rate in the model's dtype (``decode_flops_per_token``) at the bench's batch and
-twice it.
+In that order: tether and ``generate`` on the mixed budgets, then with uniform budgets (every sample
+256 tokens); tether's decode throughput in FLOP/s against the machine's matmul rate in the model's
+dtype (``decode_flops_per_token``) at the bench's batch and twice it; then transformers' continuous
+batching on the mixed budgets, and the workload's compute roofline (``workload_flops`` at the
+measured matmul rate: no engine that multiplies at that rate runs it faster) with the shares of it
+that tether reaches and that 10x ``generate_batch`` would need.
 """
 
 from __future__ import annotations
@@ -281,9 +281,9 @@ def run_hf_paged(model: torch.nn.Module, w: Workload, s: BenchSettings) -> tuple
             manager.add_request(row, request_id=f"r{i}", max_new_tokens=budget, eos_token_id=-1)
         num_left = len(rows)
         while num_left:
-            result = manager.get_result(timeout=120)
+            result = manager.get_result(timeout=60)
             if result is None:
-                raise RuntimeError("no result from transformers continuous batching for 120 s")
+                raise RuntimeError("no result from transformers continuous batching for 60 s")
             if result.is_finished():
                 if result.error is not None:
                     raise RuntimeError(result.error)
@@ -328,8 +328,8 @@ class Printer:
             self.append(text)
 
 
-def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: Workload,
-            gflops: float) -> None:
+def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: Workload) -> float:
+    """tether against ``generate``, mixed then uniform budgets; returns tether's mixed-budget rate."""
     out = Printer()
     engine = tether_engine(tether, s)
     kernel = "compiled kernel (tether.engine.native)" if engine.runner.decode_kernel else "PyTorch ops"
@@ -347,14 +347,6 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     assert g_tokens == w.num_useful_tokens, (g_tokens, w.num_useful_tokens)
     out.append(line("transformers generate (mixed budgets)", g_s, g_tokens))
     out.append(f"ratio tether / generate (mixed budgets): {(t_tokens / t_s) / (g_tokens / g_s):.2f}")
-    paged_rate = None
-    if s.skip_hf_paged:
-        out.append("transformers continuous batching: skipped (--skip-hf-paged)")
-    else:
-        lines, paged_rate = compare_hf_paged(s, hf, w, t_tokens / t_s)
-        out.extend(lines)
-    gflops = max(gflops, s.matmul_gflops())  # the start's figure may come from a busy moment
-    out.extend(roofline_report(tether, w, s, gflops, t_tokens / t_s, paged_rate))
     uniform = w.with_budget(s.max_budget)
     u_s, u_tokens = best_time(lambda: run_tether(engine, uniform, s), s.repeats, s.device)
     out.append(line("tether LLMEngine (uniform budgets)", u_s, u_tokens))
@@ -362,6 +354,22 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     assert u_tokens == h_tokens == uniform.num_useful_tokens, (u_tokens, h_tokens, uniform.num_useful_tokens)
     out.append(line("transformers generate (uniform budgets)", h_s, h_tokens))
     out.append(f"ratio tether / generate (uniform budgets): {(u_tokens / u_s) / (h_tokens / h_s):.2f}")
+    return t_tokens / t_s
+
+
+def compare_paged_and_roofline(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: Workload,
+                               gflops: float, tether_rate: float) -> None:
+    """transformers' continuous batching (last: on a GPU its start-up is the least predictable part,
+    so a run cut short there has printed everything of tether's), then the mixed run's roofline."""
+    out = Printer()
+    paged_rate = None
+    if s.skip_hf_paged:
+        out.append("transformers continuous batching: skipped (--skip-hf-paged)")
+    else:
+        lines, paged_rate = compare_hf_paged(s, hf, w, tether_rate)
+        out.extend(lines)
+    gflops = max(gflops, s.matmul_gflops())  # the start's figure may come from a busy moment
+    out.extend(roofline_report(tether, w, s, gflops, tether_rate, paged_rate))
 
 
 def compare_tether_paths(s: BenchSettings, tether: torch.nn.Module, w: Workload, rate: float,
@@ -496,10 +504,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             gflops = s.matmul_gflops()
             print(f"{s.dtype_name} matmul {gflops:.1f} GFLOP/s (the yardstick of this run)", flush=True)
         with torch.inference_mode():
-            compare(s, tether, hf, w, gflops)
+            tether_rate = compare(s, tether, hf, w)
             # The bench's batch and twice it (a GRPO step of 16 prompts x 16 samples decodes 256 rows).
             for num_rows in (s.decode_batch, 2 * s.decode_batch):
                 Printer().extend(decode_flops_report(s, tether, gflops, num_rows))
+            compare_paged_and_roofline(s, tether, hf, w, gflops, tether_rate)
     print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}", flush=True)
 
 

@@ -86,8 +86,10 @@ def train_copy_model(num_layers: int, hidden_size: int, num_steps: int, seed: in
     return model, tokenizer, loss
 
 
-def trained_copy_model(shape: tuple[int, int], num_steps: int, seed: int, cache_dir: Path | None):
-    """``train_copy_model``, or its saved result from an earlier run with the same settings."""
+def trained_copy_model(shape: tuple[int, int], num_steps: int, seed: int, cache_dir: Path | None,
+                       require_cache: bool = False):
+    """``train_copy_model``, or its saved result from an earlier run with the same settings (with
+    ``require_cache``, only that: exits with one line when it is not there)."""
     num_layers, hidden_size = shape
     # Named by the training recipe (this function's code and its constants): a change to it trains anew.
     source = inspect.getsource(train_copy_model) + repr((COPY_CHARS, MAX_SEQ_LEN, LR, BATCH, NUM_EXAMPLES))
@@ -97,6 +99,8 @@ def trained_copy_model(shape: tuple[int, int], num_steps: int, seed: int, cache_
     if path is not None and (path / "config.json").is_file():
         print(f"  loading {path}")
         return load_model(path).eval(), load_tokenizer(path)
+    if require_cache:
+        sys.exit(f"error: --require-cache: no {name} in --cache-dir {cache_dir} (make device-cache writes it)")
     model, tokenizer, loss = train_copy_model(num_layers, hidden_size, num_steps, seed)
     print(f"  trained {num_layers} layer(s), h={hidden_size}: final loss {loss:.3f}")
     if path is not None:
@@ -134,9 +138,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="save the trained models here, and reuse them on later runs")  # fmt: skip
+    parser.add_argument("--require-cache", action="store_true",
+                        help="exit instead of training when --cache-dir lacks a model (a GPU machine's run)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the engine runs (training stays on the CPU)")
     args = parser.parse_args()
+    if args.require_cache and args.cache_dir is None:
+        parser.error("--require-cache needs --cache-dir")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
     set_threads(args.threads)
@@ -144,8 +152,8 @@ def main() -> None:
     print(f"machine: {machine.describe()}; load average {machine.load_average:.1f}; {machine.date_utc}")
 
     t0 = time.perf_counter()
-    target, tokenizer = trained_copy_model(TARGET_SHAPE, args.steps, 0, args.cache_dir)
-    draft, _ = trained_copy_model(DRAFT_SHAPE, args.draft_steps, 1, args.cache_dir)
+    target, tokenizer = trained_copy_model(TARGET_SHAPE, args.steps, 0, args.cache_dir, args.require_cache)
+    draft, _ = trained_copy_model(DRAFT_SHAPE, args.draft_steps, 1, args.cache_dir, args.require_cache)
     print(f"models ready in {time.perf_counter() - t0:.0f} s")
     target, draft = target.to(args.device), draft.to(args.device)
 

@@ -111,6 +111,7 @@ def test_engine_keeps_its_tensors_on_the_model_device(paths, case, device):
 def test_greedy_matches_transformers_generate_on_cuda(paths, family):
     """The issue's parity check on a real GPU: transformers on the same device, fp32."""
     hf = AutoModelForCausalLM.from_pretrained(paths[family], attn_implementation="sdpa").float().to("cuda").eval()
+    hf.generation_config.eos_token_id = None  # no stop: generate fills a None eos_token_id in from it
     engine = LLMEngine(load_model(paths[family]).to("cuda").eval(), config=EngineConfig(**BASE))
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     for prompt, completion in zip(PROMPTS, engine.generate(PROMPTS, params)):

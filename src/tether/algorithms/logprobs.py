@@ -27,7 +27,9 @@ DEFAULT_CHUNK_ROWS = 1024
 
 def _as_row_param(value: Param, like: torch.Tensor) -> torch.Tensor:
     """A scalar or per-row parameter as an fp32 tensor shaped ``[..., 1]`` against logits ``[..., V]``."""
-    param = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if not isinstance(value, torch.Tensor):  # filled on the device: a copy from the host would sync a GPU
+        return torch.full((*like.shape[:-1], 1), float(value), dtype=torch.float32, device=like.device)
+    param = value.to(dtype=torch.float32, device=like.device)
     return param.expand(like.shape[:-1]).unsqueeze(-1)
 
 

@@ -251,7 +251,10 @@ class EngineSection(Section):
     kv_cache_memory_fraction: float = Field(0.3, gt=0, le=1, description="Share of free memory for the "
                                             "KV memory (as `kv_cache_bytes`) when `kv_cache_bytes` is "
                                             "empty: a GPU's free memory; on the host MemAvailable, within "
-                                            "what the process's cgroup (a container, a Slurm job) allows.")
+                                            "what the process's cgroup (a container, a Slurm job) allows. "
+                                            "Not vLLM's gpu_memory_utilization (a share of the whole GPU): "
+                                            "a share of what is free once the model is loaded, and a step's "
+                                            "activations and sampling work come on top, so leave room.")
     max_model_len: int | None = Field(None, ge=2, description="Prompt + completion cap; empty: the "
                                       "model's context length.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes (hash chain).")
