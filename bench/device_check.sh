@@ -38,6 +38,19 @@ export PYTHONPATH="$PYTHONPATH:/tmp/site"
 'available', torch.cuda.is_available(), '| transformers', transformers.__version__,
 '| fp32 matmul precision', torch.get_float32_matmul_precision())"
     ls .device-cache/spec 2>&1
+    "$PY" - <<'PYEOF'
+# Which SDPA kernel the engine's calls get here (it changes with torch and cuDNN versions).
+import torch
+from torch.nn.attention import SDPBackend
+names = {int(member): name for name, member in SDPBackend.__members__.items()}
+for dtype in (torch.float32, torch.bfloat16):
+    for what, num_queries in (("decode", 3), ("prefill chunk", 64)):
+        q = torch.randn(32, 2, num_queries, 64, device="cuda", dtype=dtype)  # [S, Hkv, G or Tq, D]
+        k, v = (torch.randn(32, 2, 200, 64, device="cuda", dtype=dtype) for _ in range(2))
+        mask = torch.zeros(32, 1, num_queries, 200, device="cuda", dtype=dtype)  # additive, as the engine's
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask=mask)
+        print(f"SDPA for a masked {what} in {dtype}: {names.get(int(choice), choice)}")
+PYEOF
 } 2>&1 | tee "$OUT/env.txt"
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'error: torch sees no CUDA device')" || exit 1
 

@@ -377,10 +377,11 @@ def _attend_prefill(
     group_size = num_heads // num_kv_heads
     if group_size == 1 or queries.device.type == "cpu":  # the CPU's SDPA takes GQA with a mask
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=group_size > 1)
-    # CUDA serves enable_gqa by flash attention (no mask) or the math path (K and V repeated in
-    # fp32 per head): a masked GQA call takes the memory-efficient kernel only without it. Either
-    # the G query heads of a KV head go along the query axis (the mask repeated G times: cheap for
-    # a short span, a verify or a small chunk) or K and V are repeated per query head (a long chunk).
+    # On CUDA whether a masked enable_gqa call gets a fused kernel depends on the torch version (older
+    # ones took the math path, K and V repeated in fp32 per head); query heads as many as the KV heads
+    # get the memory-efficient kernel on every version. Either the G query heads of a KV head go along
+    # the query axis (the mask repeated G times: cheap for a short span, a verify or a small chunk) or
+    # K and V are repeated per query head (a long chunk).
     elif mask.element_size() * num_queries < 2 * keys.element_size() * num_kv_heads * head_dim:
         folded = queries.reshape(num_rows, num_kv_heads, group_size * num_queries, head_dim)
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask.repeat(1, 1, group_size, 1))

@@ -50,8 +50,9 @@ def sdpa(
     """q ``[B, Hq, Tq, D]``, k/v ``[B, Hkv, Tk, D]``, mask bool ``[B, 1, Tq, Tk]`` (True = attend)
     -> ``[B, Hq, Tq, D]``. Scale is SDPA's default 1/sqrt(D), as in all four families.
 
-    On CUDA a masked call with ``enable_gqa`` takes the math path (K and V in fp32, per head); K and
-    V repeated per query head instead let the memory-efficient kernel serve it."""
+    On CUDA a masked call with ``enable_gqa`` takes the math path (K and V in fp32, per head) on
+    older torch versions; K and V repeated per query head let the memory-efficient kernel serve it
+    on every version."""
     is_gqa = q.shape[1] != k.shape[1]
     if is_gqa and mask is not None and q.device.type != "cpu":
         group_size = q.shape[1] // k.shape[1]
