@@ -122,6 +122,38 @@ def test_greedy_matches_transformers_generate_on_cuda(paths, family):
         assert torch.allclose(torch.tensor(completion.logprobs), reference, atol=1e-4, rtol=0.0)
 
 
+def test_a_decode_step_waits_for_the_device_a_fixed_few_times(paths):
+    """On a GPU each read of a device value on the host, and each copy from (pageable) host memory,
+    waits for the device. A decode step does a fixed few whatever its rows and sampling settings:
+    its integers go over in one copy for the step and one per attention group, the sampling draws in
+    one, and the weights check, the sampled tokens with their log-probs and the finite check come
+    back in one read each. A read per row (an ``.item()`` in a loop) would cost a GPU a sync per row."""
+    cases = [(1, SamplingParams(temperature=1.0, max_new_tokens=40, seed=1, n=2)),
+             (8, SamplingParams(temperature=1.0, max_new_tokens=40, seed=1, n=4)),
+             (8, SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=40, seed=1, n=4))]
+    per_step = []
+    for num_prompts, params in cases:
+        fake = FakeCuda()
+        model = fake.put(load_model(paths["qwen2"]).eval())
+        with fake:
+            config = EngineConfig(**{**BASE, "max_num_seqs": 64, "max_num_batched_tokens": 256})
+            engine = LLMEngine(model, config=config)
+            for i in range(num_prompts):
+                engine.add_request([5 + i, 6, 7, 8, 9, 10, 5, 6, 7, 8], params)
+            for _ in range(4):  # the prefill, the forks, the decode copies' first fill
+                engine.step()
+            fake.transfers.clear()
+            for _ in range(5):
+                engine.step()
+        assert fake.errors == {}, "\n".join(fake.errors)
+        assert len(engine.scheduler.running) == num_prompts * params.n  # every row decoded throughout
+        counts = {"to_device": 0, "to_host": 0}
+        for (direction, _), count in fake.transfers.items():
+            counts[direction] += count
+        per_step.append({direction: count / 5 for direction, count in counts.items()})
+    assert per_step == [{"to_device": 4, "to_host": 3}] * len(cases), fake.transfers
+
+
 def test_the_tracer_sees_a_cpu_tensor_meet_a_device_one():
     # The check itself: the mistakes the engine test looks for are recorded, not missed.
     fake, is_available = FakeCuda(), torch.cuda.is_available

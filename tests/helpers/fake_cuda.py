@@ -17,12 +17,19 @@ op that real CUDA would refuse is recorded in ``errors`` with where in tether it
 Its SDPA returns what CUDA's memory-efficient kernel does: ``[B, H, L, D]`` as a transposed view of
 ``[B, L, H, D]`` storage (a ``.view`` that merges H with its neighbours fails on it, as on CUDA).
 
+``transfers`` counts what would wait for a real GPU, by where in tether it happened: ``"to_host"``
+for a device value read on the host (``tolist``, ``item``, ``bool``/``int``/``float``, ``equal``,
+``.cpu()`` or ``.to`` the CPU) and ``"to_device"`` for host data copied to the device
+(``torch.tensor``/``as_tensor`` with a CUDA device, ``.to``/``.cuda`` of a CPU tensor): a copy from
+pageable host memory synchronises too.
+
 What it cannot see: CUDA's own kernel limits, asynchronous errors and memory use, and calls that
 bypass torch's dispatch (a compiled extension's own functions: the engine gives them CPU tensors only).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import traceback
 
@@ -38,6 +45,8 @@ _TENSOR_PROPERTIES = {
 }  # their getters reach __torch_function__ as the descriptor's __get__
 _CROSS_DEVICE_OPS = {"copy_", "_to_copy", "lift_fresh", "lift_fresh_copy", "_copy_from", "detach", "alias",
                      "set_", "_local_scalar_dense", "clone", "_has_compatible_shallow_copy_type"}
+# Reads of a device value on the host (each waits for the device)
+_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal", "numpy", "__array__"}
 _INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 # Ops that take a 0-dim CPU tensor as a scalar on CUDA besides the pointwise-tagged ones (TensorIterator's
 # CPU-scalar rule); any other op refuses it.
@@ -78,6 +87,7 @@ class _FunctionMode(TorchFunctionMode):
             is_on = on_device(args[0])
             return {"device": CUDA if is_on else CPU, "is_cuda": is_on, "is_cpu": not is_on}[prop]
         name = getattr(func, "__name__", "")
+        self._count_transfer(name, args, kwargs)
         if name in ("numpy", "__array__") and args and on_device(args[0]):
             self.fake.record(f"{name}() on a CUDA tensor")
         if name == "cpu" and args and on_device(args[0]):
@@ -110,6 +120,19 @@ class _FunctionMode(TorchFunctionMode):
             kwargs["device"] = CPU
             return self._marked(func(*args, **kwargs), is_cuda)
         return func(*args, **kwargs)
+
+    def _count_transfer(self, name: str, args: tuple, kwargs: dict) -> None:
+        is_from_device = any(on_device(a) for a in args if isinstance(a, torch.Tensor))
+        if (name in _READS or name == "cpu") and is_from_device:
+            self.fake.transfers["to_host", _where()] += 1
+        elif name in ("tensor", "as_tensor") and kwargs.get("device") is not None and _is_cuda(kwargs["device"]):
+            if not (args and on_device(args[0])):
+                self.fake.transfers["to_device", _where()] += 1
+        elif name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
+            targets = [kwargs.get("device"), *args[1:]] if name == "to" else [CUDA]
+            target = next((d for d in targets if isinstance(d, (torch.device, str))), None)
+            if target is not None and _is_cuda(target) != on_device(args[0]):
+                self.fake.transfers["to_device" if _is_cuda(target) else "to_host", _where()] += 1
 
     @staticmethod
     def _marked(out, is_on_device: bool):
@@ -156,6 +179,7 @@ class FakeCuda:
 
     def __init__(self, free_bytes: int = 8 << 30) -> None:
         self.errors: dict[str, str] = {}
+        self.transfers: collections.Counter[tuple[str, str]] = collections.Counter()  # (direction, where)
         self._free_bytes = free_bytes
         self._modes = (_FunctionMode(self), _DispatchMode(self))
         self._saved: dict[str, object] = {}

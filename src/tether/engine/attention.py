@@ -122,10 +122,11 @@ def build_step_metadata(
         )
         for rows in decode_groups + _split_by_length(prefill_rows, spans, _MAX_SPLITS)
     ]
+    starts = [spans[i].start for i in decode_kv_rows] if decode_kv_rows else []
+    ints = torch.tensor(slots + starts, dtype=torch.long, device=device)  # one host-to-device copy
     if decode_kv_rows:
-        starts = [spans[i].start for i in decode_kv_rows]
-        groups[0].decode_kv_positions = torch.tensor(starts, dtype=torch.long, device=device)
-    return StepMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups)
+        groups[0].decode_kv_positions = ints[len(slots) :]
+    return StepMetadata(ints[: len(slots)], groups)
 
 
 def _padded_area(spans: list[SeqSpan]) -> int:
@@ -184,11 +185,14 @@ def _build_group(
     is_query_at_a_time: bool = False,
 ) -> AttentionGroup:
     num_blocks = max(-(-(s.start + s.num_new) // block_size) for s in spans)
-    tables = [s.block_table[:num_blocks] + [pad_block] * (num_blocks - len(s.block_table)) for s in spans]
-    block_ids = torch.tensor(tables, dtype=torch.long, device=device).view(-1)  # [S * Nb]
-    start = torch.tensor([s.start for s in spans], device=device)  # [S]
-    num_new = torch.tensor([s.num_new for s in spans], device=device)  # [S]
-    offset = torch.tensor(offsets, device=device)  # [S]
+    num_rows = len(spans)
+    # One host-to-device copy for the group's integers (on a GPU each copy from the host is a sync).
+    host = [block for s in spans for block in s.block_table[:num_blocks]
+            + [pad_block] * (num_blocks - len(s.block_table))]
+    host += [s.start for s in spans] + [s.num_new for s in spans] + offsets
+    ints = torch.tensor(host, dtype=torch.long, device=device)
+    block_ids = ints[: num_rows * num_blocks]  # [S * Nb]
+    start, num_new, offset = ints[num_rows * num_blocks :].view(3, num_rows)  # [S] each
     q_len = int(max(s.num_new for s in spans))
     j = torch.arange(q_len, device=device)  # [Tq]
     # Padded queries repeat the row's last real token: a valid input whose output is dropped.

@@ -47,6 +47,15 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float]  # fp32 log-prob of each token under process_logits
 
+    @classmethod
+    def from_device(cls, token_ids: torch.Tensor, logprobs: torch.Tensor) -> SampleResult:
+        """Tokens ``[N]`` and their fp32 log-probs ``[N]`` read on the host: one copy from a GPU (a host
+        sync), not one per tensor (ids travel as float64, exact below 2**53)."""
+        if token_ids.device.type == "cpu":
+            return cls(token_ids.tolist(), logprobs.tolist())
+        both = torch.stack((token_ids.double(), logprobs.double())).tolist()  # the step's one host sync
+        return cls([int(t) for t in both[0]], both[1])
+
 
 def _row_param(values: list[float], dtype: torch.dtype, device: torch.device) -> float | torch.Tensor:
     """One number when the batch agrees (lets process_logits skip its sort), else a per-row tensor."""
@@ -151,7 +160,7 @@ def _sample_general(logits: torch.Tensor, params: list[SamplingParams], uniforms
             rows = torch.tensor(sampled_rows, device=device)
             token_ids[rows] = inverse_cdf(logprobs[rows].exp(), uniforms[rows])
     picked = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [N]
-    return SampleResult(token_ids.tolist(), picked.tolist())  # the path's one host sync
+    return SampleResult.from_device(token_ids, picked)  # the path's one host sync
 
 
 def _path(params: SamplingParams) -> float | None:
@@ -196,7 +205,7 @@ def _sample_plain(logits: torch.Tensor, temperature: float, uniforms: torch.Tens
         weights, chunk_sums = _weights(scaled, temperature, is_owned)
     token_ids, totals = _search(weights, chunk_sums, uniforms)  # [N], [N]
     picked = weights.gather(-1, token_ids[:, None]).squeeze(-1).log() - totals.log()  # [N]
-    return SampleResult(token_ids.tolist(), picked.tolist())
+    return SampleResult.from_device(token_ids, picked)  # the path's one host sync
 
 
 def _weights(scaled: torch.Tensor, temperature: float, is_owned: bool) -> tuple[torch.Tensor, torch.Tensor]:
