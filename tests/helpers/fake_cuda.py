@@ -19,7 +19,8 @@ Its SDPA returns what CUDA's memory-efficient kernel does: ``[B, H, L, D]`` as a
 
 ``transfers`` counts what would wait for a real GPU, by where in tether it happened: ``"to_host"``
 for a device value read on the host (``tolist``, ``item``, ``bool``/``int``/``float``, ``equal``,
-``.cpu()`` or ``.to`` the CPU) and ``"to_device"`` for host data copied to the device
+``.cpu()`` or ``.to`` the CPU, an op whose output size depends on the values: ``nonzero``, boolean
+indexing, ``masked_select``, ``unique``) and ``"to_device"`` for host data copied to the device
 (``torch.tensor``/``as_tensor`` with a CUDA device, ``.to``/``.cuda`` of a CPU tensor): a copy from
 pageable host memory synchronises too.
 
@@ -45,6 +46,8 @@ _TENSOR_PROPERTIES = {
 }  # their getters reach __torch_function__ as the descriptor's __get__
 _CROSS_DEVICE_OPS = {"copy_", "_to_copy", "lift_fresh", "lift_fresh_copy", "_copy_from", "detach", "alias",
                      "set_", "_local_scalar_dense", "clone", "_has_compatible_shallow_copy_type"}
+# Ops whose output size depends on the values (the host reads it before it can allocate)
+_SIZED_BY_DATA = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
 # Reads of a device value on the host (each waits for the device)
 _READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal", "numpy", "__array__"}
 _INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
@@ -152,6 +155,9 @@ class _DispatchMode(TorchDispatchMode):
         op = func.overloadpacket.__name__
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         is_on = any(on_device(t) for t in tensors)
+        if is_on and (op in _SIZED_BY_DATA or (op in _INDEX_OPS and any(
+                i is not None and i.dtype == torch.bool for i in args[1]))):
+            self.fake.transfers["to_host", _where()] += 1  # its output's size is read on the host
         if is_on and func.namespace == "mkldnn":
             self.fake.record(f"torch.ops.mkldnn.{op} on a CUDA tensor")
         elif is_on and op in _INDEX_OPS:

@@ -51,7 +51,7 @@ class SampleResult:
     def from_device(cls, token_ids: torch.Tensor, logprobs: torch.Tensor) -> SampleResult:
         """Tokens ``[N]`` and their fp32 log-probs ``[N]`` read on the host: one copy from a GPU (a host
         sync), not one per tensor (ids travel as float64, exact below 2**53)."""
-        if token_ids.device.type == "cpu":
+        if token_ids.device.type != "cuda":
             return cls(token_ids.tolist(), logprobs.tolist())
         both = torch.stack((token_ids.double(), logprobs.double())).tolist()  # the step's one host sync
         return cls([int(t) for t in both[0]], both[1])
