@@ -198,6 +198,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: StepInput, block_copies: list[tuple[int, int]]) -> torch.Tensor:
         """Forward the step; returns logits ``[N, V]`` (fp32) at ``step.logits_index``."""
+        # One host-to-device copy for the three (on a GPU each copy from the host waits for the device),
+        # first, so it waits for nothing this step queued.
+        num_tokens = len(step.token_ids)
+        ids = torch.tensor([*step.token_ids, *step.positions, *step.logits_index], dtype=torch.long,
+                           device=self.device)  # [2T + N]
+        input_ids, positions = ids[:num_tokens][None], ids[num_tokens : 2 * num_tokens][None]  # [1, T] each
+        logits_index = ids[2 * num_tokens :]  # [N]
         self.cache.copy_blocks(block_copies)
         decode_kv_rows = self.decode_kv.assign(step.spans, self.cache, self.block_size)
         meta = build_step_metadata(
@@ -205,13 +212,6 @@ class ModelRunner:
             decode_kv_rows, is_query_at_a_time=self.decode_kernel is not None,
         )
         attn = PagedAttention(self.cache, meta, self.sliding_window_layers, self.decode_kv, self.decode_kernel)
-        # One host-to-device copy for the three (on a GPU each copy from the host waits for the device),
-        # before the forward, so it waits for nothing queued.
-        num_tokens = len(step.token_ids)
-        ids = torch.tensor([*step.token_ids, *step.positions, *step.logits_index], dtype=torch.long,
-                           device=self.device)  # [2T + N]
-        input_ids, positions = ids[:num_tokens][None], ids[num_tokens : 2 * num_tokens][None]  # [1, T] each
-        logits_index = ids[2 * num_tokens :]  # [N]
         with self.packed.serving(), _silu_mul_swapped(self._mlps, self._silu_mul_hook):
             try:
                 hidden = self.model(input_ids, positions, attn)  # [1, T, H]
