@@ -187,8 +187,10 @@ def _build_group(
     num_blocks = max(-(-(s.start + s.num_new) // block_size) for s in spans)
     num_rows = len(spans)
     # One host-to-device copy for the group's integers (on a GPU each copy from the host is a sync).
-    host = [block for s in spans for block in s.block_table[:num_blocks]
-            + [pad_block] * (num_blocks - len(s.block_table))]
+    host: list[int] = []
+    for s in spans:  # each row's block table, cut or padded to num_blocks
+        host += s.block_table[:num_blocks]
+        host += [pad_block] * (num_blocks - len(s.block_table))
     host += [s.start for s in spans] + [s.num_new for s in spans] + offsets
     ints = torch.tensor(host, dtype=torch.long, device=device)
     block_ids = ints[: num_rows * num_blocks]  # [S * Nb]
