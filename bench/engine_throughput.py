@@ -115,6 +115,11 @@ class Workload:
     def with_budget(self, budget: int) -> Workload:
         return Workload(self.prompts, [budget] * len(self.budgets))
 
+    def rows(self) -> list[list[int]]:
+        """Each sample's prompt, in the budgets' order."""
+        num_samples = len(self.budgets) // len(self.prompts)
+        return [prompt for prompt in self.prompts for _ in range(num_samples)]
+
 
 def make_workload(s: BenchSettings) -> Workload:
     rng = random.Random(s.seed)
@@ -282,15 +287,16 @@ def compare(s: BenchSettings, tether: torch.nn.Module, hf: torch.nn.Module, w: W
     out.append(line("tether LLMEngine (mixed budgets)", t_s, t_tokens))
     if engine.runner.decode_kernel is not None:
         out.extend(compare_tether_paths(s, tether, w, t_tokens / t_s, engine.is_batch_invariant))
-    run_hf_generate(hf, w.with_budget(s.min_budget), s)  # the same warm-up
-    g_s, g_tokens = best_time(lambda: run_hf_generate(hf, w, s), s.repeats, s.device)
+    warm_up = w.with_budget(s.min_budget)
+    run_hf_generate(hf, warm_up.rows(), warm_up.budgets)  # the same warm-up
+    g_s, g_tokens = best_time(lambda: run_hf_generate(hf, w.rows(), w.budgets), s.repeats, s.device)
     assert g_tokens == w.num_useful_tokens, (g_tokens, w.num_useful_tokens)
     out.append(line("transformers generate (mixed budgets)", g_s, g_tokens))
     out.append(f"ratio tether / generate (mixed budgets): {(t_tokens / t_s) / (g_tokens / g_s):.2f}")
     uniform = w.with_budget(s.max_budget)
     u_s, u_tokens = best_time(lambda: run_tether(engine, uniform, s), s.repeats, s.device)
     out.append(line("tether LLMEngine (uniform budgets)", u_s, u_tokens))
-    h_s, h_tokens = best_time(lambda: run_hf_generate(hf, uniform, s), s.repeats, s.device)
+    h_s, h_tokens = best_time(lambda: run_hf_generate(hf, uniform.rows(), uniform.budgets), s.repeats, s.device)
     assert u_tokens == h_tokens == uniform.num_useful_tokens, (u_tokens, h_tokens, uniform.num_useful_tokens)
     out.append(line("transformers generate (uniform budgets)", h_s, h_tokens))
     out.append(f"ratio tether / generate (uniform budgets): {(u_tokens / u_s) / (h_tokens / h_s):.2f}")
@@ -339,8 +345,9 @@ def compare_hf_paged(s: BenchSettings, hf: torch.nn.Module, w: Workload,
     try:
         paged = AutoModelForCausalLM.from_pretrained(hf.name_or_path, dtype=s.torch_dtype,
                                                      attn_implementation="paged|sdpa").to(s.device).eval()
-        run_hf_paged(paged, w.with_budget(s.min_budget), s)  # the same warm-up as the other systems
-        p_s, p_tokens = min(run_hf_paged(paged, w, s) for _ in range(s.repeats))
+        max_len, warm_up = s.max_prompt_tokens + s.max_budget, w.with_budget(s.min_budget)
+        run_hf_paged(paged, warm_up.rows(), warm_up.budgets, max_len, s.seed)  # the same warm-up as the others
+        p_s, p_tokens = min(run_hf_paged(paged, w.rows(), w.budgets, max_len, s.seed) for _ in range(s.repeats))
         assert p_tokens == w.num_useful_tokens, (p_tokens, w.num_useful_tokens)
     except Exception as error:  # report why it cannot run here, and go on with the rest
         message = " ".join(f"{type(error).__name__}: {error}".split())[:300]

@@ -1,16 +1,14 @@
 """transformers' generation as ``engine_throughput.py``'s peers: ``model.generate`` (one static batch)
 and its continuous batching (the manager behind ``generate_batch``), on the bench's workload, with the
-same sampling settings as tether's side and the same count of useful tokens."""
+same sampling settings as tether's side and the same count of useful tokens. Each takes the workload
+as plain lists: ``rows``, one prompt's token ids per sample, and ``budgets``, each sample's new
+tokens."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:  # the bench script imports this module, not the other way round at run time
-    from engine_throughput import BenchSettings, Workload
 
 
 def hf_sampling(model: torch.nn.Module, max_new_tokens: int) -> object:
@@ -23,40 +21,38 @@ def hf_sampling(model: torch.nn.Module, max_new_tokens: int) -> object:
                             pad_token_id=model.config.pad_token_id)
 
 
-def run_hf_generate(model: torch.nn.Module, w: Workload, s: BenchSettings) -> int:
+def run_hf_generate(model: torch.nn.Module, rows: list[list[int]], budgets: list[int]) -> int:
     """One static batch of every sample, left-padded; returns the *useful* tokens (within budgets)."""
-    rows = [prompt for prompt in w.prompts for _ in range(s.num_samples)]
     width = max(map(len, rows))
     pad = model.config.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=model.device)  # [R, width]
     attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                         generation_config=hf_sampling(model, max(w.budgets)))
+                         generation_config=hf_sampling(model, max(budgets)))
     num_generated = out.shape[1] - width
-    assert num_generated == max(w.budgets), (num_generated, max(w.budgets))  # ran to the longest budget
-    return sum(min(budget, num_generated) for budget in w.budgets)
+    assert num_generated == max(budgets), (num_generated, max(budgets))  # ran to the longest budget
+    return sum(min(budget, num_generated) for budget in budgets)
 
 
-def run_hf_paged(model: torch.nn.Module, w: Workload, s: BenchSettings) -> tuple[float, int]:
+def run_hf_paged(model: torch.nn.Module, rows: list[list[int]], budgets: list[int], max_len: int,
+                 seed: int) -> tuple[float, int]:
     """transformers' continuous batching (``generate_batch``'s manager), one request per sample with
     its own ``max_new_tokens``; returns (seconds from the first request to the last result, tokens).
 
     Starting the manager (KV allocation, warm-up) is left out of the time, as tether's engine set-up
-    is; its cache is sized like tether's pool (every row at full length)."""
+    is; its cache is sized like tether's pool (every row at ``max_len`` tokens)."""
     from transformers import ContinuousBatchingConfig
 
-    rows = [prompt for prompt in w.prompts for _ in range(s.num_samples)]
     page_size = 256
-    max_len = s.max_prompt_tokens + s.max_budget
     num_pages = len(rows) * -(-max_len // page_size) + 8
     cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_pages, max_batch_tokens=4096,
-                                         seed=s.seed)
-    generation = hf_sampling(model, max(w.budgets))
+                                         seed=seed)
+    generation = hf_sampling(model, max(budgets))
     num_tokens = 0
     with model.continuous_batching_context_manager(generation_config=generation, block=True, timeout=30,
                                                    continuous_batching_config=cb_config) as manager:
         start = time.perf_counter()
-        for i, (row, budget) in enumerate(zip(rows, w.budgets)):
+        for i, (row, budget) in enumerate(zip(rows, budgets)):
             manager.add_request(row, request_id=f"r{i}", max_new_tokens=budget, eos_token_id=-1)
         num_left = len(rows)
         while num_left:
