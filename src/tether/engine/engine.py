@@ -281,11 +281,8 @@ class LLMEngine:
     def _accept(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal],
                 done: list[Completion]) -> None:
         verdict = verify(logits, seqs, drafts, self.sampler.weights_kernel)
-        # The step's one host sync for the verifiers.
-        token_ids, token_logprobs = verdict.token_ids.tolist(), verdict.logprobs.tolist()
-        for seq, draft, num_accepted, ids, lps in zip(
-            seqs, drafts, verdict.num_accepted.tolist(), token_ids, token_logprobs
-        ):
+        token_ids, token_logprobs, accepted = verdict.to_host()  # the verifiers' one read
+        for seq, draft, num_accepted, ids, lps in zip(seqs, drafts, accepted, token_ids, token_logprobs):
             before = seq.num_computed_tokens  # through the step's last non-draft token
             num_emitted = self._emit(seq, ids[: num_accepted + 1], lps)
             # KV is valid for the accepted drafts among what was emitted, all but the last token.

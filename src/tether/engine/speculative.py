@@ -61,26 +61,28 @@ def verify(
     """
     k = max(p.num_tokens for p in drafts)
     device = logits.device
-    num_drafts = torch.tensor([p.num_tokens for p in drafts], device=device)
-    draft_ids = torch.tensor([p.token_ids + [0] * (k - p.num_tokens) for p in drafts], dtype=torch.long,
-                             device=device)  # [S, K]: K may be 0 (tails only)
+    host = [n for p in drafts for n in (p.num_tokens, *p.token_ids, *[0] * (k - p.num_tokens))]
+    ints = torch.tensor(host, dtype=torch.long).view(len(drafts), k + 1)  # [S, 1 + K] on the host
     is_all_greedy = all(seq.params.is_greedy for seq in seqs)
     if not is_all_greedy and all(p.draft_probs is None and p.tail_probs is None for p in drafts):
         # Point masses (prompt lookup): the coupled test, one draw per token from the plain stream,
         # each drawn as a plain step draws it (the same sampling path, so the same rounding), with
-        # the log-prob a plain step reports.
+        # the log-prob a plain step reports. The plain tokens are on the host once sampled, so the test
+        # runs there: a GPU waits once for them, not again for copies back and a count.
         uniforms = draw_at([seq.rng for seq in seqs], np.tile(np.arange(k + 1, dtype=np.uint64), (len(seqs), 1)),
                            [0] * len(seqs))
         padded_params = [seq.params for seq in seqs for _ in range(k + 1)]
         plain = sample_with_uniforms(_pad_rows(logits, drafts, k).view(len(seqs) * (k + 1), -1), padded_params,
                                      uniforms.view(-1).to(device), True, weights_kernel)  # a copy: ours
         shape = (len(seqs), k + 1)
-        verdict = accept_coupled(draft_ids, num_drafts, torch.tensor(plain.token_ids, device=device).view(shape),
-                                 torch.tensor(plain.logprobs, device=device).view(shape))
+        verdict = accept_coupled(ints[:, 1:], ints[:, 0], torch.tensor(plain.token_ids).view(shape),
+                                 torch.tensor(plain.logprobs, dtype=torch.float32).view(shape))
         for seq, num_accepted in zip(seqs, verdict.num_accepted.tolist()):
             if not seq.params.is_greedy:
                 seq.rng.num_draws += num_accepted + 1  # the draws of the tokens emitted, as plain steps
         return verdict
+    ints = ints.to(device)  # one host-to-device copy for both (on a GPU each copy from the host is a sync)
+    num_drafts, draft_ids = ints[:, 0], ints[:, 1:]  # [S], [S, K]: K may be 0 (tails only)
     logprobs = _pad_rows(processed_logprobs(logits, _repeat_params(seqs, drafts)), drafts, k)  # [S, K + 1, V]
     if is_all_greedy:  # the common eval case: no draws, no residuals
         return accept_greedy(logprobs, draft_ids, num_drafts)
@@ -126,6 +128,17 @@ class Verdict:
     token_ids: torch.Tensor  # [S, K + 1] accepted drafts, then the residual or bonus token; then junk
     logprobs: torch.Tensor  # [S, K + 1] fp32 target log-prob of each of token_ids
     num_accepted: torch.Tensor  # [S] drafts accepted; row s emits num_accepted[s] + 1 tokens
+
+    def to_host(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        """(token ids, log-probs, drafts accepted) as lists: one copy from a GPU (a host sync), not
+        three (ids and counts travel as float64, exact below 2**53)."""
+        if self.token_ids.device.type != "cuda":
+            return self.token_ids.tolist(), self.logprobs.tolist(), self.num_accepted.tolist()
+        width = self.token_ids.shape[1]
+        rows = torch.cat([self.token_ids.double(), self.logprobs.double(), self.num_accepted.double()[:, None]],
+                         dim=1).tolist()  # [S, 2 (K + 1) + 1]
+        return ([[int(t) for t in row[:width]] for row in rows], [row[width : 2 * width] for row in rows],
+                [int(row[-1]) for row in rows])
 
 
 def accept_greedy(logprobs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor) -> Verdict:
