@@ -43,7 +43,8 @@ clean:
 
 # A lent GPU machine has torch and numpy but no network: bench/device_check.sh (the GPU checks) runs
 # there with what these two prepare here, each in a folder git ignores and the device tool carries.
-# device-wheels: Python 3.12 x86-64 wheels of tether's other dependencies at this .venv's versions.
+# device-wheels: Python 3.12 x86-64 wheels, at this .venv's versions, of what the image lacks (pydantic) or
+# holds at other versions (transformers and its hub); numpy is left to the image's torch.
 device-wheels: $(STAMP)
 	rm -rf .whl && mkdir .whl
 	$(BIN)/pip freeze --exclude-editable > .whl/constraints.txt
