@@ -36,7 +36,7 @@ from tether.engine.proposers import Proposal, build_proposer
 from tether.engine.requests import as_request_ids, batch_params, prompt_token_ids, request_error, resolve_max_model_len
 from tether.engine.rng import SampleRNG
 from tether.engine.runner import DecoderModel, ModelRunner, StepInput, num_kv_blocks_for
-from tether.engine.sampler import Detokenizer, Sampler, finish_reason
+from tether.engine.sampler import Detokenizer, Sampler, finish_reason, read_on_host
 from tether.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tether.engine.sequence import Sequence, draws_rewound_on_error, sample_seed
 from tether.engine.speculative import verify
@@ -281,7 +281,8 @@ class LLMEngine:
     def _accept(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Proposal],
                 done: list[Completion]) -> None:
         verdict = verify(logits, seqs, drafts, self.sampler.weights_kernel)
-        token_ids, token_logprobs, accepted = verdict.to_host()  # the verifiers' one read
+        # The verifiers' one read from the device
+        token_ids, token_logprobs, accepted = read_on_host(verdict.token_ids, verdict.logprobs, verdict.num_accepted)
         for seq, draft, num_accepted, ids, lps in zip(seqs, drafts, accepted, token_ids, token_logprobs):
             before = seq.num_computed_tokens  # through the step's last non-draft token
             num_emitted = self._emit(seq, ids[: num_accepted + 1], lps)

@@ -47,14 +47,22 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float]  # fp32 log-prob of each token under process_logits
 
-    @classmethod
-    def from_device(cls, token_ids: torch.Tensor, logprobs: torch.Tensor) -> SampleResult:
-        """Tokens ``[N]`` and their fp32 log-probs ``[N]`` read on the host: one copy from a GPU (a host
-        sync), not one per tensor (ids travel as float64, exact below 2**53)."""
-        if token_ids.device.type != "cuda":
-            return cls(token_ids.tolist(), logprobs.tolist())
-        both = torch.stack((token_ids.double(), logprobs.double())).tolist()  # the step's one host sync
-        return cls([int(t) for t in both[0]], both[1])
+
+def read_on_host(*tensors: torch.Tensor) -> list[list]:
+    """``t.tolist()`` of each of ``tensors`` (one leading size N, each ``[N]`` or ``[N, K]``), in one copy
+    from a GPU (a host sync) instead of one per tensor: packed as float64 (integers exact below 2**53)
+    and split back, an integer tensor's values as ints."""
+    if tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    num_rows, widths = tensors[0].shape[0], [1 if t.dim() == 1 else t.shape[1] for t in tensors]
+    rows = torch.cat([t.double().reshape(num_rows, w) for t, w in zip(tensors, widths)], dim=1).tolist()
+    out, start = [], 0
+    for t, width in zip(tensors, widths):
+        cast = float if t.is_floating_point() else int
+        part = [[cast(v) for v in row[start : start + width]] for row in rows]
+        out.append([values[0] for values in part] if t.dim() == 1 else part)
+        start += width
+    return out
 
 
 def _row_param(values: list[float], dtype: torch.dtype, device: torch.device) -> float | torch.Tensor:
@@ -160,7 +168,7 @@ def _sample_general(logits: torch.Tensor, params: list[SamplingParams], uniforms
             rows = torch.tensor(sampled_rows, device=device)
             token_ids[rows] = inverse_cdf(logprobs[rows].exp(), uniforms[rows])
     picked = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [N]
-    return SampleResult.from_device(token_ids, picked)  # the path's one host sync
+    return SampleResult(*read_on_host(token_ids, picked))  # the path's one host sync
 
 
 def _path(params: SamplingParams) -> float | None:
@@ -205,7 +213,7 @@ def _sample_plain(logits: torch.Tensor, temperature: float, uniforms: torch.Tens
         weights, chunk_sums = _weights(scaled, temperature, is_owned)
     token_ids, totals = _search(weights, chunk_sums, uniforms)  # [N], [N]
     picked = weights.gather(-1, token_ids[:, None]).squeeze(-1).log() - totals.log()  # [N]
-    return SampleResult.from_device(token_ids, picked)  # the path's one host sync
+    return SampleResult(*read_on_host(token_ids, picked))  # the path's one host sync
 
 
 def _weights(scaled: torch.Tensor, temperature: float, is_owned: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -129,17 +129,6 @@ class Verdict:
     logprobs: torch.Tensor  # [S, K + 1] fp32 target log-prob of each of token_ids
     num_accepted: torch.Tensor  # [S] drafts accepted; row s emits num_accepted[s] + 1 tokens
 
-    def to_host(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
-        """(token ids, log-probs, drafts accepted) as lists: one copy from a GPU (a host sync), not
-        three (ids and counts travel as float64, exact below 2**53)."""
-        if self.token_ids.device.type != "cuda":
-            return self.token_ids.tolist(), self.logprobs.tolist(), self.num_accepted.tolist()
-        width = self.token_ids.shape[1]
-        rows = torch.cat([self.token_ids.double(), self.logprobs.double(), self.num_accepted.double()[:, None]],
-                         dim=1).tolist()  # [S, 2 (K + 1) + 1]
-        return ([[int(t) for t in row[:width]] for row in rows], [row[width : 2 * width] for row in rows],
-                [int(row[-1]) for row in rows])
-
 
 def accept_greedy(logprobs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor) -> Verdict:
     """``accept_drafts`` when every row is greedy: keep drafts while they are the target's argmax.
