@@ -9,6 +9,7 @@ GPU, 8192x8192 and the GPU's name).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tether.builders import resolve_device
 from tether.engine.cpu_kernels import cpuinfo_field
+from tether.errors import ConfigError
 
 MATMUL_SIZE = 1024
 
@@ -109,6 +112,18 @@ def machine_info(min_time_s: float = 0.5, device: torch.device | str = "cpu") ->
         python_version=platform.python_version(),
         date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         load_average=os.getloadavg()[0], accelerator=accelerator)
+
+
+DEVICES = ("auto", "cpu", "cuda")  # a bench's --device choices
+
+
+def check_device(parser: argparse.ArgumentParser, name: str) -> str:
+    """``--device`` as the type of a device this machine has (``tether.builders.resolve_device``: auto is
+    the GPU where torch sees one), else the parser's one-line error."""
+    try:
+        return resolve_device(name, "--device").type
+    except ConfigError as error:
+        parser.error(str(error))
 
 
 def set_threads(num_threads: int) -> None:

@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from common import machine_info, measure_matmul_gflops, set_threads, synchronize  # noqa: E402
+from common import DEVICES, check_device, machine_info, measure_matmul_gflops, set_threads, synchronize  # noqa: E402
 from helpers.hf_tiny import make_hf_model  # noqa: E402
 from hf_peers import run_hf_generate, run_hf_paged  # noqa: E402
 from tether.builders import DTYPES  # noqa: E402
@@ -405,8 +405,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSettings:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", choices=BENCH_DTYPES, default=d.dtype,
                    help="the model's dtype on every side (the matmul yardstick's too)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device,
-                   help="where every side runs (the matmul yardstick too)")
+    p.add_argument("--device", choices=DEVICES, default=d.device,
+                   help="where every side runs, the matmul yardstick too (auto: the GPU where torch sees one)")
     shape = p.add_argument_group("model shape (Qwen2; default: the issue's 25-50M parameters, vocabulary 32k)")
     for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads"):
         shape.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"({getattr(d, name)})")
@@ -423,10 +423,9 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSettings:
     repeats = a.repeats if a.repeats is not None else s.repeats
     if repeats < 1 or a.threads < 0:
         p.error(f"--repeats must be >= 1 and --threads >= 0, got {repeats}, {a.threads}")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch sees no CUDA device here")
+    device = check_device(p, a.device)
     return dataclasses.replace(s, threads=a.threads, repeats=repeats, seed=a.seed,
-                               skip_hf_paged=a.skip_hf_paged, dtype=a.dtype, device=a.device)
+                               skip_hf_paged=a.skip_hf_paged, dtype=a.dtype, device=device)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine_info, set_threads  # noqa: E402
+from common import DEVICES, check_device, machine_info, set_threads  # noqa: E402
 from tether.builders import build_model_and_tokenizer, seed_everything  # noqa: E402
 from tether.config.schema import ModelSection, ScratchModelConfig  # noqa: E402
 from tether.data.cursor import DataCursor  # noqa: E402
@@ -140,13 +140,12 @@ def main() -> None:
                         help="save the trained models here, and reuse them on later runs")  # fmt: skip
     parser.add_argument("--require-cache", action="store_true",
                         help="exit instead of training when --cache-dir lacks a model (a GPU machine's run)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the engine runs (training stays on the CPU)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where the engine runs, training staying on the CPU (auto: the GPU where torch sees one)")
     args = parser.parse_args()
     if args.require_cache and args.cache_dir is None:
         parser.error("--require-cache needs --cache-dir")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device here")
+    args.device = check_device(parser, args.device)
     set_threads(args.threads)
     machine = machine_info(device=args.device)
     print(f"machine: {machine.describe()}; load average {machine.load_average:.1f}; {machine.date_utc}")
