@@ -33,7 +33,7 @@ from tether.engine.types import FinishReason, SamplingParams
 # spend a token on each: 3 for a CJK character, 4 for an emoji), plus this many for tokens that decode
 # to nothing on their own, without decoding the whole completion every step.
 _STOP_WINDOW_EXTRA_TOKENS = 8
-_STOP_CONTEXT_TOKENS = 4  # decoded before a text, for its first word (_text_after)
+_STOP_CONTEXT_TOKENS = 4  # decoded before a text, for its first word (completion_text)
 _CDF_CHUNK = 256  # tokens per chunk of the two-level inverse-CDF search
 _SAMPLE_ROW_BLOCK = 16  # rows per block of the unfiltered sampler's passes (see _sample_plain)
 
@@ -305,7 +305,8 @@ def _has_stop_string(seq: Sequence, tokenizer: Detokenizer) -> bool:
     stop_strings = seq.params.stop_strings
     num_window = max(len(s.encode("utf-8")) for s in stop_strings) + _STOP_WINDOW_EXTRA_TOKENS
     start = max(seq.num_prompt_tokens, seq.num_tokens - num_window)
-    tail = _text_after(tokenizer, seq.token_ids[max(0, start - _STOP_CONTEXT_TOKENS) : start], seq.token_ids[start:])
+    context = seq.token_ids[max(0, start - _STOP_CONTEXT_TOKENS) : start]  # what completion_text reads of it
+    tail = completion_text(tokenizer, context, seq.token_ids[start:])
     return any(s in tail for s in stop_strings)
 
 
@@ -315,16 +316,11 @@ def completion_text(tokenizer: Detokenizer, prompt_ids: list[int], token_ids: li
     the ids decoded alone, as in TRL: ``recipes.grpo.reward_text``). It differs from
     ``tokenizer.decode(token_ids)`` only where the prompt gives context: a SentencePiece tokenizer
     (Llama 2, Mistral) drops the word-start space of a text's first token, so a completion " Answer"
-    decoded alone reads "Answer"."""
-    return _text_after(tokenizer, prompt_ids, token_ids)
-
-
-def _text_after(tokenizer: Detokenizer, before: list[int], ids: list[int]) -> str:
-    """The text ``ids`` add after ``before``: decoded after a few tokens of it, whose text is cut off."""
-    context = list(before[-_STOP_CONTEXT_TOKENS:])
+    decoded alone reads "Answer". Decoded after the prompt's last few tokens, whose text is cut off."""
+    context = list(prompt_ids[-_STOP_CONTEXT_TOKENS:])
     if not context:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-    text = tokenizer.decode(context + list(ids), skip_special_tokens=True)
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+    text = tokenizer.decode(context + list(token_ids), skip_special_tokens=True)
     prefix = tokenizer.decode(context, skip_special_tokens=True)
     # (Context that ends inside a character's bytes decodes to a replacement character: then alone.)
-    return text[len(prefix) :] if text.startswith(prefix) else tokenizer.decode(ids, skip_special_tokens=True)
+    return text[len(prefix) :] if text.startswith(prefix) else tokenizer.decode(token_ids, skip_special_tokens=True)
